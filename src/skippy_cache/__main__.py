@@ -3,25 +3,68 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from skippy_cache.server.settings import add_arguments, options_summary
+
     parser = argparse.ArgumentParser(
         prog="skippy-cache",
         description="Exact, resident prefix KV reuse for llama.cpp serving.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "serve options (command line > SKIPPY_* environment > --config TOML file > defaults):\n"
+            f"{options_summary()}\n\n"
+            "Example: skippy-cache serve --port 8000 --ctx-size 8192 --lanes 4"
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description=(
+            "Run the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
+            "/v1/cache, /health, /metrics). Each option can also come from its SKIPPY_* environment "
+            "variable or a TOML file (--config); the command line wins, then the environment, then the file."
+        ),
+    )
+    add_arguments(serve)
     demo = sub.add_parser("demo", help="print the cache budgets and prefix lengths the core derives")
     demo.add_argument("--ctx-size", type=int, default=8192, help="KV cells in the context (default 8192)")
     demo.add_argument("--prompt-tokens", type=int, default=2214, help="prompt length in tokens (default 2214)")
     demo.add_argument("--lanes", type=int, default=4, help="execution lanes (default 4)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args.command == "demo":
         from skippy_cache.demo import run_demo
 
         print(run_demo(args.ctx_size, args.prompt_tokens, args.lanes))
+        return 0
+
+    if args.command == "serve":
+        from skippy_cache.runtime.gguf_info import ModelNotFoundError
+        from skippy_cache.server.serve import serve
+        from skippy_cache.server.settings import SettingsError, load_settings
+
+        try:
+            settings = load_settings(args)
+        except SettingsError as exc:
+            parser.exit(2, f"skippy-cache serve: error: {exc}\n")
+        logging.basicConfig(
+            level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        try:
+            return serve(settings)
+        except ModelNotFoundError as exc:
+            parser.exit(1, f"skippy-cache serve: error: {exc}\n")
     return 0
 
 

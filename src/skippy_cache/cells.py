@@ -60,23 +60,35 @@ class CellLedger:
         lo, hi = _bounds(p0, p1)
         copied = [Segment(s.origin, max(s.p0, lo), min(s.p1, hi)) for s in self._seqs.get(src, [])]
         copied = [s for s in copied if s.p1 > s.p0]
-        if not copied:
+        if not copied or src == dst:
             return
-        merged = sorted(set(self._seqs.get(dst, [])) | set(copied), key=lambda s: (s.p0, s.p1))
-        for before, after in zip(merged, merged[1:]):
-            if after.p0 < before.p1:
-                raise ValueError(f"seq_cp {src}->{dst} overlaps positions {dst} already holds")
+        merged: list[Segment] = []
+        for seg in sorted(self._seqs.get(dst, []) + copied, key=lambda s: (s.p0, s.p1)):
+            last = merged[-1] if merged else None
+            if last is not None and seg.p0 < last.p1:
+                if seg.origin != last.origin:
+                    raise ValueError(f"seq_cp {src}->{dst}: position {seg.p0} would hold two different cells")
+                # Cells dst already holds: llama.cpp adds dst to them again, a no-op.
+                merged[-1] = Segment(last.origin, last.p0, max(last.p1, seg.p1))
+            else:
+                merged.append(seg)
         self._seqs[dst] = merged
         self._open.pop(dst, None)
         self._used = None
 
     def on_seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
-        """`llama_memory_seq_rm(seq, p0, p1)`: negative bounds are open."""
+        """`llama_memory_seq_rm(seq, p0, p1)`: negative bounds are open; seq_id < 0 means every sequence."""
+        if seq_id < 0:
+            for seq in list(self._seqs):
+                self.on_seq_rm(seq, p0, p1)
+            return
+        lo, hi = _bounds(p0, p1)
+        if lo >= hi:
+            return
         self._open.pop(seq_id, None)
         segments = self._seqs.get(seq_id)
         if not segments:
             return
-        lo, hi = _bounds(p0, p1)
         kept: list[Segment] = []
         for s in segments:
             if s.p1 <= lo or s.p0 >= hi:

@@ -82,7 +82,7 @@ def parse_payload(value: str, *, name: str = "payload") -> StageKvCachePayload:
 
 def _parse_uint(name: str, value: str) -> int:
     text = value.strip().replace("_", "")
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):
         raise ValueError(f"{name}={value!r} is not a non-negative integer")
     return int(text)
 
@@ -185,6 +185,11 @@ class ResidentCacheConfig:
     @classmethod
     def from_stage(cls, stage: StageConfig, cache: StageKvCacheConfig) -> ResidentCacheConfig:
         reserved_seq_count = max(stage.lane_count * 2, 2)
+        if reserved_seq_count >= LLAMA_MAX_SEQ:
+            raise ValueError(
+                f"lane_count={stage.lane_count} reserves {reserved_seq_count} sequence ids; "
+                f"llama.cpp has {LLAMA_MAX_SEQ}, so at most {LLAMA_MAX_SEQ // 2 - 1} lanes leave room for the cache"
+            )
         max_entries = min(max(cache.max_entries, 1), MAX_ENTRIES_CLAMP)
         # Entries need sequence ids of their own; beyond this llama.cpp has none
         # to give and the record would fail after the prefill was paid for.

@@ -208,6 +208,13 @@ class ResidentPrefixCache:
             self._uncacheable += 1
             return RecordAllocation(NO_SEQ, (), should_save=False, reason="uncacheable")
 
+        if not self._fits_after_evicting_all(token_count, estimated_bytes):
+            # Checked before evicting anything: evicting entries and then failing
+            # would empty the cache for nothing.
+            raise ResidentCacheError(
+                "no releasable entries: the borrowed and pending entries alone leave no room "
+                f"({len(self._entries)} entries, {self._tokens} tokens, {self._bytes} bytes)"
+            )
         evictions: list[ResidentEviction] = []
         while self._over_budget(token_count, estimated_bytes):
             victim = self._lru_victim()
@@ -285,6 +292,18 @@ class ResidentPrefixCache:
         if cfg.max_bytes > 0 and self._bytes + estimated_bytes > cfg.max_bytes:
             return True
         return cfg.max_resident_tokens > 0 and self._tokens + token_count > cfg.max_resident_tokens
+
+    def _fits_after_evicting_all(self, token_count: int, estimated_bytes: int) -> bool:
+        cfg = self.config
+        held = [e for e in self._entries.values() if e.borrowed] + [
+            _Entry(seq, tokens, nbytes, 0) for seq, tokens, nbytes in self._pending.values()
+        ]
+        if len(held) + 1 > cfg.max_entries:
+            return False
+        if cfg.max_bytes > 0 and sum(e.estimated_bytes for e in held) + estimated_bytes > cfg.max_bytes:
+            return False
+        tokens = sum(e.token_count for e in held) + token_count
+        return not (cfg.max_resident_tokens > 0 and tokens > cfg.max_resident_tokens)
 
     def _lru_victim(self) -> PageId | None:
         victim: PageId | None = None

@@ -171,7 +171,9 @@ NUMERIC_VARS = [
 
 
 @pytest.mark.parametrize(("var", "field"), NUMERIC_VARS)
-@pytest.mark.parametrize(("raw", "value"), [("0", 0), ("7", 7), ("300", 300), (" 4096 ", 4096), ("1_000", 1000)])
+@pytest.mark.parametrize(
+    ("raw", "value"), [("0", 0), ("7", 7), ("300", 300), (" 4096 ", 4096), ("1_000", 1000)]
+)
 def test_from_env_numeric(var: str, field: str, raw: str, value: int) -> None:
     cfg = StageKvCacheConfig.from_env({var: raw})
     assert getattr(cfg, field) == value
@@ -209,17 +211,8 @@ MALFORMED = [
     ("SKIPPY_KV_CACHE_PAYLOAD", ""),
     *[(var, bad) for var, _ in NUMERIC_VARS for bad in ("-1", "1.5", "ten", "", "0x10", "+5", "1e3")],
     # `str.isdigit` accepts superscript digits, which `int` then rejects with
-    # its own message: no variable name, so the deployment typo is anonymous.
-    pytest.param(
-        "SKIPPY_KV_CACHE_MAX_ENTRIES",
-        "\u00b2",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="src bug: _parse_uint checks str.isdigit(), which accepts '²'; int('²') then raises "
-            "a ValueError without the variable name (fix: test text.isascii() and text.isdigit())",
-        ),
-        id="superscript-two",
-    ),
+    # its own message: no variable name, so the deployment typo was anonymous.
+    pytest.param("SKIPPY_KV_CACHE_MAX_ENTRIES", "\u00b2", id="superscript-two"),
 ]
 
 
@@ -258,7 +251,9 @@ def test_reserved_seq_count_is_two_per_lane_at_least_two(lanes: int, reserved: i
     ],
 )
 def test_max_entries_clamp_and_seq_id_cap(lanes: int, max_entries: int, expected: int) -> None:
-    cfg = ResidentCacheConfig.from_stage(StageConfig(lane_count=lanes), StageKvCacheConfig(max_entries=max_entries))
+    cfg = ResidentCacheConfig.from_stage(
+        StageConfig(lane_count=lanes), StageKvCacheConfig(max_entries=max_entries)
+    )
     assert cfg.max_entries == expected
     assert cfg.reserved_seq_count + cfg.max_entries <= LLAMA_MAX_SEQ
 
@@ -290,7 +285,9 @@ def test_from_stage_copies_bytes_and_min_tokens() -> None:
     ("lanes", "max_entries", "n_seq_max"), [(4, 64, 72), (4, 512, 256), (0, 1, 3), (1, 0, 3), (100, 64, 256)]
 )
 def test_n_seq_max(lanes: int, max_entries: int, n_seq_max: int) -> None:
-    cfg = ResidentCacheConfig.from_stage(StageConfig(lane_count=lanes), StageKvCacheConfig(max_entries=max_entries))
+    cfg = ResidentCacheConfig.from_stage(
+        StageConfig(lane_count=lanes), StageKvCacheConfig(max_entries=max_entries)
+    )
     assert cfg.n_seq_max == n_seq_max
 
 
@@ -299,7 +296,9 @@ def test_n_seq_max(lanes: int, max_entries: int, n_seq_max: int) -> None:
 
 @pytest.mark.parametrize(("min_tokens", "page"), [(0, 1), (1, 1), (64, 64), (300, 300)])
 def test_policy_from_cache(min_tokens: int, page: int) -> None:
-    cache = StageKvCacheConfig(min_tokens=min_tokens, shared_prefix_stride_tokens=96, shared_prefix_record_limit=3)
+    cache = StageKvCacheConfig(
+        min_tokens=min_tokens, shared_prefix_stride_tokens=96, shared_prefix_record_limit=3
+    )
     assert PrefixCandidatePolicy.from_cache(cache) == PrefixCandidatePolicy(
         min_tokens=min_tokens, stride_tokens=96, record_limit=3, page_size_tokens=page
     )
@@ -387,7 +386,9 @@ def _rust_record(p: PrefixCandidatePolicy, token_count: int) -> list[int]:
 
 
 policies = st.builds(
-    lambda m, s, r: PrefixCandidatePolicy(min_tokens=m, stride_tokens=s, record_limit=r, page_size_tokens=max(m, 1)),
+    lambda m, s, r: PrefixCandidatePolicy(
+        min_tokens=m, stride_tokens=s, record_limit=r, page_size_tokens=max(m, 1)
+    ),
     st.integers(0, 600),
     st.integers(1, 300),
     st.integers(0, 6),
@@ -447,13 +448,16 @@ def test_record_lengths_are_lookup_candidates(policy: PrefixCandidatePolicy, n: 
 
 @settings(max_examples=200, deadline=None)
 @given(policies, st.integers(1, 20000), st.integers(0, 20000))
-def test_common_prefix_prompts_meet_on_a_shared_length(policy: PrefixCandidatePolicy, a: int, extra: int) -> None:
+def test_common_prefix_prompts_meet_on_a_shared_length(
+    policy: PrefixCandidatePolicy, a: int, extra: int
+) -> None:
     # Two prompts whose common prefix reaches one grid step past both tails' floor
     # share a recorded length when the record limit keeps at least one grid length.
     b = a + extra
     records = policy.record_candidate_token_counts(a)
     lookups = policy.candidate_token_counts(b)
     grid = policy.grid_tokens
-    if policy.min_tokens > 0 and policy.record_limit != 1 and a > policy.min_tokens and a // grid == b // grid:
+    shares_grid_cell = a // grid == b // grid
+    if policy.min_tokens > 0 and policy.record_limit != 1 and a > policy.min_tokens and shares_grid_cell:
         # Same grid cell: the longest shared grid length below a is also below b.
         assert records[1] in lookups

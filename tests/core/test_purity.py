@@ -81,7 +81,8 @@ def _imported_names(path: Path) -> set[str]:
             "__import__",
             "import_module",
         }:
-            names.update(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str))
+            literal = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            names.update(v for v in literal if isinstance(v, str))
     return names
 
 

@@ -349,7 +349,8 @@ def test_drop_runs_before_the_entry_is_forgotten() -> None:
 
     def drop(eviction: ResidentEviction) -> None:
         stats = cache.stats()
-        seen.append((eviction.page_id in cache, cache.peek(eviction.page_id), stats.entries, stats.resident_tokens))
+        booked = eviction.page_id in cache
+        seen.append((booked, cache.peek(eviction.page_id), stats.entries, stats.resident_tokens))
 
     allocation = cache.allocate_for_record(P("b"), 200, 5, drop)
     assert seen == [(True, ResidentLookup(P("a"), SeqId(8), 100), 1, 100)]
@@ -393,7 +394,9 @@ def test_seq_ids_stay_in_range_under_churn(reserved: int) -> None:
 def test_seq_ids_exhausted_when_entries_outnumber_ids() -> None:
     # Built by hand past what from_stage allows: 300 entries, 6 free ids.
     cache = ResidentPrefixCache(
-        ResidentCacheConfig(max_entries=300, max_bytes=0, min_tokens=1, reserved_seq_count=250, max_resident_tokens=0)
+        ResidentCacheConfig(
+            max_entries=300, max_bytes=0, min_tokens=1, reserved_seq_count=250, max_resident_tokens=0
+        )
     )
     assert cache.seq_id_limit == LLAMA_MAX_SEQ
     assert [record(cache, f"p{i}", 10).seq_id for i in range(6)] == [250, 251, 252, 253, 254, 255]
@@ -587,6 +590,17 @@ class ReferenceCache:
         ):
             self.uncacheable += 1
             return (NO_SEQ, (), False, "uncacheable")
+        # What no eviction can free (borrowed and pending entries): if the new
+        # record does not fit beside it, refuse before evicting anything.
+        held = [(e.tokens, e.nbytes) for e in self.entries.values() if e.borrowed] + [
+            (t, b) for _, t, b in self.pending.values()
+        ]
+        if (
+            len(held) + 1 > cfg.max_entries
+            or (cfg.max_bytes and sum(b for _, b in held) + nbytes > cfg.max_bytes)
+            or (cfg.max_resident_tokens and sum(t for t, _ in held) + tokens > cfg.max_resident_tokens)
+        ):
+            raise ModelError
         evictions = []
         while (
             len(self.entries) + len(self.pending) + 1 > cfg.max_entries
@@ -617,6 +631,9 @@ class ReferenceCache:
 
 
 PAGES = [f"p{i}" for i in range(10)]
+# Mostly at or above every generated min_tokens (0..64); uniform draws start at 0 and
+# would spend most records on the below-min error.
+record_tokens = st.one_of(st.integers(64, 900), st.integers(64, 900), st.integers(0, 900))
 page_names = st.sampled_from(PAGES)
 fail_choice = st.one_of(st.none(), page_names)
 
@@ -625,7 +642,8 @@ configs = st.builds(
     max_entries=st.integers(1, 6),
     max_bytes=st.one_of(st.just(0), st.integers(50, 1500)),
     min_tokens=st.integers(0, 64),
-    reserved_seq_count=st.one_of(st.integers(0, 10), st.integers(245, 255)),
+    # Mostly roomy id spaces; a quarter near LLAMA_MAX_SEQ, where ids run out before entries do.
+    reserved_seq_count=st.one_of(*[st.integers(0, 10)] * 3, st.integers(245, 255)),
     max_resident_tokens=st.one_of(st.just(0), st.integers(100, 2000)),
 )
 
@@ -636,8 +654,10 @@ class ResidentCacheMachine(RuleBasedStateMachine):
         self.cache = ResidentPrefixCache(cfg)
         self.model = ReferenceCache(cfg)
 
-    def _both(self, model_op: Callable[[], object], cache_op: Callable[[], object]) -> object:
-        """Run the same operation on both; they must agree on the result or on the failure."""
+    def _both(
+        self, model_op: Callable[[], object], cache_op: Callable[[], object]
+    ) -> tuple[object, object]:
+        """Run one operation on both; they must fail alike, else (model result, cache result)."""
         try:
             expected: object = model_op()
             expected_exc: type | None = None
@@ -671,8 +691,13 @@ class ResidentCacheMachine(RuleBasedStateMachine):
         ) == expected
         return got
 
-    @rule(page=page_names, tokens=st.integers(0, 900), nbytes=st.integers(0, 600), fail_on=fail_choice,
-          commit=st.booleans())
+    @rule(
+        page=page_names,
+        tokens=record_tokens,
+        nbytes=st.integers(0, 600),
+        fail_on=fail_choice,
+        commit=st.booleans(),
+    )
     def record_now(self, page: str, tokens: int, nbytes: int, fail_on: str | None, commit: bool) -> None:
         got = self._allocate(page, tokens, nbytes, fail_on)
         if got is not None and got.should_save:
@@ -682,9 +707,25 @@ class ResidentCacheMachine(RuleBasedStateMachine):
             else:
                 assert self.cache.abort_record(P(page)) == self.model.abort(page)
 
-    @rule(page=page_names, tokens=st.integers(0, 900), nbytes=st.integers(0, 600), fail_on=fail_choice)
+    @rule(page=page_names, tokens=record_tokens, nbytes=st.integers(0, 600), fail_on=fail_choice)
     def allocate_and_leave_pending(self, page: str, tokens: int, nbytes: int, fail_on: str | None) -> None:
         self._allocate(page, tokens, nbytes, fail_on)
+
+    @rule(data=st.data(), fail_on=fail_choice, commit=st.booleans())
+    def record_at_a_boundary(self, data: st.DataObject, fail_on: str | None, commit: bool) -> None:
+        # Sizes on the edges of the budgets, which uniform draws rarely hit.
+        cfg, model = self.model.cfg, self.model
+        token_edges = [cfg.min_tokens, max(cfg.min_tokens - 1, 0)]
+        if cfg.max_resident_tokens:
+            room = cfg.max_resident_tokens - model.tokens()
+            token_edges += [cfg.max_resident_tokens, cfg.max_resident_tokens + 1, room, room + 1]
+        byte_edges = [0, 1]
+        if cfg.max_bytes:
+            room = cfg.max_bytes - model.nbytes()
+            byte_edges += [cfg.max_bytes, cfg.max_bytes + 1, room, room + 1]
+        tokens = data.draw(st.sampled_from([t for t in token_edges if t >= 0]))
+        nbytes = data.draw(st.sampled_from([b for b in byte_edges if b >= 0]))
+        self.record_now(data.draw(page_names), tokens, nbytes, fail_on, commit)
 
     @precondition(lambda self: bool(self.model.pending))
     @rule(data=st.data(), commit=st.booleans())
@@ -707,7 +748,8 @@ class ResidentCacheMachine(RuleBasedStateMachine):
     def peek(self, page: str) -> None:
         hit = self.cache.peek(P(page))
         e = self.model.entries.get(page)
-        assert (None if hit is None else (hit.seq_id, hit.token_count)) == (None if e is None else (e.seq, e.tokens))
+        expected = None if e is None else (e.seq, e.tokens)
+        assert (None if hit is None else (hit.seq_id, hit.token_count)) == expected
 
     @rule(page=page_names)
     def acquire(self, page: str) -> None:
@@ -726,11 +768,10 @@ class ResidentCacheMachine(RuleBasedStateMachine):
             return None if victim is None else self.model.evict(victim, fail_on)
 
         expected, got = self._both(model_op, lambda: self.cache.evict_one_lru_entry(self._drop(fail_on)))
-        if expected is not None or got is not None:
-            assert isinstance(got, ResidentEviction) or got is None
-            assert (None if got is None else (got.page_id, got.seq_id, got.token_count, got.estimated_bytes)) == (
-                expected
-            )
+        if got is not None:
+            assert isinstance(got, ResidentEviction)
+            got = (got.page_id, got.seq_id, got.token_count, got.estimated_bytes)
+        assert got == expected
 
     @invariant()
     def books_agree(self) -> None:
@@ -771,3 +812,18 @@ class ResidentCacheMachine(RuleBasedStateMachine):
 
 ResidentCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestResidentCacheMachine = ResidentCacheMachine.TestCase
+
+
+def test_record_that_cannot_fit_beside_borrowed_entries_evicts_nothing() -> None:
+    # Regression: the cache used to evict every free entry and then raise,
+    # emptying itself for a record that could never be placed.
+    cache = make_cache(max_entries=8, max_resident_tokens=1000)
+    record(cache, "big", 800)
+    record(cache, "small", 100)
+    cache.acquire(P("big"))
+    dropper = Dropper(cache)
+    with pytest.raises(ResidentCacheError, match="no releasable entries"):
+        cache.allocate_for_record(P("new"), 300, 0, dropper)
+    assert P("small") in cache
+    assert cache.stats().evictions == 0
+    cache.check_invariants()

@@ -19,8 +19,11 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from skippy_cache.config import (
     PrefixCandidatePolicy,
@@ -54,6 +57,8 @@ from skippy_cache.runtime.requests import (
 from skippy_cache.runtime.textstream import TextStream
 
 log = logging.getLogger("skippy_cache.engine")
+
+T = TypeVar("T")
 
 
 def available_cores() -> int:
@@ -169,6 +174,7 @@ class Engine:
         self._free_seq_ids = list(range(config.lanes - 1, -1, -1))
         self._lanes: list[Lane] = []
         self._waiting: deque[_Waiting] = deque()
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self._cv = threading.Condition()
         self._closing = False
         self._last_step_prefilled = False
@@ -255,6 +261,20 @@ class Engine:
             out.append(Completion(done.text, done.tokens, done.finish_reason, done.stats, done.first_logits))
         return out
 
+    def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
+        """Run `fn` on the engine thread between steps (admin actions, tests) and return its result."""
+        if self._thread is None or threading.current_thread() is self._thread:
+            return fn()
+        future: Future = Future()
+        with self._cv:
+            self._calls.append((fn, future))
+            self._cv.notify()
+        return future.result(timeout)
+
+    def clear_cache(self) -> int:
+        """Evict every resident entry; returns how many."""
+        return self.call(self.pool.evict_all)
+
     def stats(self) -> EngineStats:
         with self._cv:
             lanes = list(self._lanes)
@@ -297,15 +317,27 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._waiting and not self._lanes and not self._closing:
+                while not self._waiting and not self._lanes and not self._calls and not self._closing:
                     self._cv.wait()
-                if self._closing and not self._waiting and not self._lanes:
+                if self._closing and not self._waiting and not self._lanes and not self._calls:
                     return
+            self._run_calls()
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - the loop must survive a bug in one step
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_all("internal error in the engine step; see the server log")
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._cv:
+                if not self._calls:
+                    return
+                fn, future = self._calls.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
 
     def step(self) -> bool:
         """One schedule -> decode -> post-process round; False when there was nothing to do."""

@@ -1,0 +1,140 @@
+"""The FastAPI application: routes, auth, metrics middleware, error handlers, lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from skippy_cache.runtime.engine import Engine
+from skippy_cache.server.chat import ChatFormatter
+from skippy_cache.server.errors import APIError, install_error_handlers
+from skippy_cache.server.generation import Generation
+from skippy_cache.server.metrics import RequestCounter, ServerMetrics
+from skippy_cache.server.settings import ServerSettings
+from skippy_cache.server.stats import cache_report, engine_stats
+
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/cache",
+    "/health",
+    "/metrics",
+)
+
+
+def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = False) -> FastAPI:
+    """The HTTP API over a running engine.
+
+    With `owns_engine`, shutdown closes the engine after the server has
+    stopped taking requests and finished the ones in flight (drain).
+    Tests pass False to share one engine between several apps.
+    """
+    started = int(time.time())
+    model_id = engine.info.model_id
+    model_names = tuple(dict.fromkeys((model_id, settings.model_alias)))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        app.state.shutting_down = True
+        if owns_engine:
+            # Blocking join of the engine thread: keep it off the event loop.
+            await asyncio.to_thread(engine.close, True)
+
+    app = FastAPI(title="skippy-cache", summary="OpenAI-compatible server with exact prefix KV reuse",
+                  lifespan=lifespan)
+    app.state.shutting_down = False
+    metrics = ServerMetrics(engine, ENDPOINTS)
+    app.state.metrics = metrics
+    app.add_middleware(RequestCounter, metrics=metrics)
+    install_error_handlers(app)
+
+    generation = Generation(
+        engine=engine,
+        settings=settings,
+        chat=ChatFormatter(engine.info.chat_template, bos_token=_special(engine, engine.model.bos),
+                           eos_token=_special(engine, engine.model.eos)),
+        metrics=metrics,
+        model_names=model_names,
+        system_fingerprint=f"skippy-{engine.info.digest[:12]}",
+    )
+    app.state.generation = generation
+
+    def model_card() -> dict:
+        return {
+            "id": model_id,
+            "object": "model",
+            "created": started,
+            "owned_by": "skippy-cache",
+            "context_length": engine.n_ctx,
+        }
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_auth(settings.api_key))] if settings.api_key else [])
+    v1.add_api_route("/completions", generation.completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", generation.chat_completions, methods=["POST"])
+
+    @v1.get("/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model:path}")
+    async def get_model(model: str) -> dict:
+        if model not in model_names:
+            raise APIError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+        return model_card()
+
+    @v1.get("/cache")
+    async def cache() -> dict:
+        return cache_report(engine)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        s = engine_stats(engine)
+        status = "shutting_down" if app.state.shutting_down else "ok"
+        body = {
+            "status": status,
+            "model": model_id,
+            "lanes_total": s.lanes_total,
+            "lanes_busy": s.lanes_busy,
+            "queue_depth": s.queue_depth,
+        }
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _special(engine: Engine, token: int) -> str:
+    """A special token's text (`<|im_start|>`), or "" when the model has none."""
+    if token < 0:
+        return ""
+    return engine.model.token_bytes(token, special=True).decode("utf-8", "replace")
+
+
+def _bearer_auth(api_key: str):  # noqa: ANN202 - a FastAPI dependency
+    expected = api_key.encode("utf-8")
+
+    async def check(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode("utf-8"), expected):
+            raise APIError(
+                401,
+                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return check

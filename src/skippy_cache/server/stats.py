@@ -1,0 +1,64 @@
+"""Engine snapshots for /health, /metrics and /v1/cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from skippy_cache.runtime.engine import Engine, EngineStats
+
+_SNAPSHOT_ATTEMPTS = 5
+
+
+def engine_stats(engine: Engine) -> EngineStats:
+    """`engine.stats()` from an HTTP thread.
+
+    The snapshot reads the cache's dict while the engine thread may be
+    changing it (`ResidentPrefixCache.stats` iterates its entries to count the
+    borrowed ones), which can raise "dictionary changed size during
+    iteration". That is a torn read, not a fault: read again.
+    """
+    for attempt in range(_SNAPSHOT_ATTEMPTS):
+        try:
+            return engine.stats()
+        except RuntimeError:
+            if attempt == _SNAPSHOT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def cache_report(engine: Engine) -> dict:
+    """The cache's budgets, counters and pool state as JSON (GET /v1/cache)."""
+    s = engine_stats(engine)
+    budgets = engine.cache_config
+    policy = engine.policy
+    cache = dataclasses.asdict(s.cache)
+    return {
+        "mode": s.cache_mode,
+        "budgets": {
+            "max_entries": budgets.max_entries,
+            "max_bytes": budgets.max_bytes,
+            "max_resident_tokens": budgets.max_resident_tokens,
+            "min_tokens": budgets.min_tokens,
+            "reserved_seq_count": budgets.reserved_seq_count,
+            "n_seq_max": budgets.n_seq_max,
+            "stride_tokens": policy.stride_tokens,
+            "record_limit": policy.record_limit,
+            "grid_tokens": policy.grid_tokens,
+        },
+        "cache": cache,
+        "pool": {
+            "n_ctx": s.n_ctx,
+            "used_cells": s.used_cells,
+            "reserved_cells": s.reserved_cells,
+            "lanes_total": s.lanes_total,
+            "lanes_busy": s.lanes_busy,
+            "queue_depth": s.queue_depth,
+            **dataclasses.asdict(s.pool),
+        },
+        "requests": {
+            "done": s.requests_done,
+            "prompt_tokens": s.prompt_tokens,
+            "cached_tokens": s.cached_tokens,
+            "hit_ratio": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+        },
+    }

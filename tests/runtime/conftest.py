@@ -1,0 +1,52 @@
+"""Real-model fixtures: one engine per configuration per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
+from skippy_cache.runtime.engine import Engine, EngineConfig
+
+
+def cache(**overrides: object) -> StageKvCacheConfig:
+    return StageKvCacheConfig(**overrides)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def fast_engine():
+    """Default (fast) mode: all cores, lanes share decode batches."""
+    engine = Engine(EngineConfig(ctx_size=4096, lanes=4, check_invariants=True))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def exact_engine():
+    """Deterministic mode with every grid length recorded, so most prompts get partial hits."""
+    engine = Engine(
+        EngineConfig(
+            ctx_size=4096,
+            lanes=4,
+            deterministic=True,
+            cache=cache(shared_prefix_record_limit=0),
+            check_invariants=True,
+        )
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def cold_engine():
+    """Deterministic mode with the cache off: the reference for cache-on output."""
+    engine = Engine(
+        EngineConfig(
+            ctx_size=4096,
+            lanes=4,
+            deterministic=True,
+            cache=cache(mode=StageKvCacheMode.DISABLED),
+            check_invariants=True,
+        )
+    )
+    yield engine
+    engine.close()

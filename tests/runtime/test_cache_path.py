@@ -1,0 +1,104 @@
+"""The serving flow's cache path on the real model."""
+
+from __future__ import annotations
+
+import pytest
+
+from skippy_cache.runtime.requests import FinishReason, GenerationRequest, RequestError
+
+from prompts import make_tokens
+
+
+def test_partial_hit_reuses_exactly_the_policy_grid_length(fast_engine):
+    fast_engine.clear_cache()
+    policy = fast_engine.policy
+    first = make_tokens(fast_engine, 300, seed=7)
+    second = first[:280] + make_tokens(fast_engine, 50, seed=8)
+    recorded = policy.record_candidate_token_counts(len(first) - 1)
+    lookups = policy.candidate_token_counts(len(second) - 1)
+    # The longest length the second prompt looks up that the first recorded:
+    # 256, the grid length both share (299 is not looked up, 320 not recorded).
+    expected = next(n for n in lookups if n in recorded)
+    assert (recorded, expected) == ([299, 256], 256)
+    fast_engine.generate(GenerationRequest(tokens=first, max_tokens=1))
+    done = fast_engine.generate(GenerationRequest(tokens=second, max_tokens=1))
+    assert done.stats.cached_tokens == expected
+
+
+def test_namespaces_never_share_state(fast_engine):
+    fast_engine.clear_cache()
+    tokens = make_tokens(fast_engine, 200, seed=9)
+    fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=1, namespace="tenant-a"))
+    other = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=1, namespace="tenant-b"))
+    same = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=1, namespace="tenant-a"))
+    assert other.stats.cached_tokens == 0
+    assert same.stats.cached_tokens == len(tokens) - 1
+
+
+def test_eviction_frees_native_state(fast_engine):
+    fast_engine.clear_cache()
+    for seed in range(3):
+        fast_engine.generate(GenerationRequest(tokens=make_tokens(fast_engine, 150, seed=20 + seed), max_tokens=1))
+    pool = fast_engine.pool
+
+    def evict_lru():
+        victim = pool.cache.entries()[0]
+        before = pool.ledger.used_cells
+        native_before = fast_engine.ctx.seq_pos_max(victim.seq_id)
+        eviction = pool.cache.evict_one_lru_entry(pool._drop)
+        return victim, eviction, native_before, before, pool.ledger.used_cells, fast_engine.ctx.seq_pos_max(victim.seq_id)
+
+    victim, eviction, native_before, before, after, native_after = fast_engine.call(evict_lru)
+    assert eviction.seq_id == victim.seq_id
+    assert native_before == victim.token_count - 1
+    assert native_after == -1
+    assert after < before
+
+
+def test_cache_off_records_nothing(cold_engine):
+    tokens = make_tokens(cold_engine, 120, seed=30)
+    cold_engine.generate(GenerationRequest(tokens=tokens, max_tokens=1))
+    again = cold_engine.generate(GenerationRequest(tokens=tokens, max_tokens=1))
+    assert again.stats.cached_tokens == 0
+    assert cold_engine.stats().cache.entries == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "max_tokens", "param"),
+    [
+        ([], 4, "prompt"),
+        ([1, 2, 3], 0, "max_tokens"),
+        ([1, 2, 3], -5, "max_tokens"),
+        ([10**7], 4, "prompt"),
+        ([-1, 5], 4, "prompt"),
+        ([5] * 4096, 1, "prompt"),
+        ([5] * 4000, 200, "max_tokens"),
+    ],
+)
+def test_impossible_requests_are_rejected_before_decode(fast_engine, tokens, max_tokens, param):
+    steps = fast_engine.stats().steps
+    with pytest.raises(RequestError) as err:
+        fast_engine.submit(GenerationRequest(tokens=tokens, max_tokens=max_tokens), lambda _e: None)
+    assert err.value.param == param
+    assert fast_engine.stats().steps == steps
+
+
+def test_decode_failure_fails_the_request_and_the_engine_survives(fast_engine, monkeypatch):
+    tokens = make_tokens(fast_engine, 90, seed=40)
+    real_decode = fast_engine.ctx.decode
+    calls = {"n": 0}
+
+    def failing_decode(batch):
+        calls["n"] += 1
+        return -3 if calls["n"] == 1 else real_decode(batch)
+
+    monkeypatch.setattr(fast_engine.ctx, "decode", failing_decode)
+    with pytest.raises(RuntimeError, match="llama_decode failed"):
+        fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=4))
+    monkeypatch.setattr(fast_engine.ctx, "decode", real_decode)
+    after = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=4))
+    assert after.finish_reason is FinishReason.LENGTH
+    assert fast_engine.stats().lanes_busy == 0
+    assert fast_engine.stats().decode_failures >= 1
+    # The ledger still matches llama.cpp's sequences after the failure.
+    assert fast_engine.invariant_failures == []

@@ -1,0 +1,41 @@
+"""Live servers on loopback over real engines: one shared engine per session.
+
+Each server is uvicorn in a background thread on a free port, serving
+`create_app(engine, settings)`; several apps may share one engine (the
+engine outlives them: `owns_engine=False`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from live_server import API_KEY, LiveServer, run_server, warm_up
+
+from skippy_cache.runtime.engine import Engine
+from skippy_cache.server import ServerSettings
+
+CTX = 2048
+LANES = 4
+#: Small, so the queue-full test can fill it with a handful of requests.
+QUEUE = 4
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    settings = ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE)
+    engine = Engine(settings.engine_config())
+    warm_up(engine)
+    yield engine
+    engine.close(drain=False)
+
+
+@pytest.fixture(scope="session")
+def server(engine: Engine) -> Iterator[LiveServer]:
+    yield from run_server(engine, ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE))
+
+
+@pytest.fixture(scope="session")
+def key_server(engine: Engine) -> Iterator[LiveServer]:
+    """The same engine behind a second app that requires an API key."""
+    yield from run_server(engine, ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE, api_key=API_KEY))

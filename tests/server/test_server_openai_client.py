@@ -1,0 +1,144 @@
+"""The official `openai` client against the live server: both endpoints, streamed and not, cache reporting."""
+
+from __future__ import annotations
+
+import pytest
+
+from live_server import LiveServer
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(180)]
+
+
+def long_prompt(topic: str) -> str:
+    """Well over 64 tokens (the default min_tokens), so the prefix is recorded."""
+    return (
+        f"Here are some notes about {topic}. "
+        + " ".join(f"Fact number {i} about {topic} is worth remembering." for i in range(12))
+        + f" In one sentence, {topic} is"
+    )
+
+
+def test_completion_non_streamed(server: LiveServer) -> None:
+    client = server.openai()
+    out = client.completions.create(model=server.model_id, prompt="The capital of France is", max_tokens=6,
+                                    temperature=0)
+    assert out.object == "text_completion"
+    assert out.model == server.model_id
+    choice = out.choices[0]
+    assert choice.text and choice.finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_completion_streamed_matches_non_streamed(server: LiveServer) -> None:
+    client = server.openai()
+    args = dict(model="skippy-cache", prompt="Water boils at", max_tokens=6, temperature=0)
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == whole.usage.completion_tokens
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_non_streamed(server: LiveServer) -> None:
+    client = server.openai()
+    out = client.chat.completions.create(
+        model=server.model_id,
+        messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert out.object == "chat.completion"
+    message = out.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.completion_tokens <= 8
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_streamed_with_usage(server: LiveServer) -> None:
+    client = server.openai()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    whole = client.chat.completions.create(model=server.model_id, messages=messages, max_completion_tokens=8,
+                                           temperature=0)
+    stream = client.chat.completions.create(model=server.model_id, messages=messages, max_completion_tokens=8,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_second_identical_request_reports_cached_tokens(server: LiveServer) -> None:
+    client = server.openai()
+    prompt = long_prompt("lighthouses")
+    first = client.completions.create(model=server.model_id, prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens > 64
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=server.model_id, prompt=prompt, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    # A full repeat reuses everything but the last prompt token, which is always decoded.
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.choices[0].text == first.choices[0].text
+
+
+def test_second_identical_chat_reports_cached_tokens(server: LiveServer) -> None:
+    client = server.openai()
+    messages = [{"role": "system", "content": long_prompt("volcanoes")}, {"role": "user", "content": "Go on."}]
+    first = client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=3, temperature=0)
+    second = client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=3, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_cache_salt_separates_tenants(server: LiveServer) -> None:
+    client = server.openai()
+    prompt = long_prompt("glaciers")
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else None
+        out = client.completions.create(model=server.model_id, prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0, "tenant b reused tenant a's state"
+    assert cached(None) == 0, "the unsalted namespace reused a salted entry"
+    # The salted entry does exist: tenant a itself hits it.
+    assert cached("tenant-a") > 0
+
+
+def test_token_id_prompt(server: LiveServer) -> None:
+    tokens = server.engine.tokenize("The sky is")
+    out = server.openai().completions.create(model=server.model_id, prompt=tokens, max_tokens=3, temperature=0)
+    assert out.usage.prompt_tokens == len(tokens)
+
+
+def test_stop_string_ends_with_stop(server: LiveServer) -> None:
+    client = server.openai()
+    free = client.completions.create(model=server.model_id, prompt="Count: 1, 2, 3,", max_tokens=8, temperature=0)
+    text = free.choices[0].text
+    assert len(text) > 2
+    stop = text[2:4] if text[2:4].strip() else text[1:3]
+    out = client.completions.create(model=server.model_id, prompt="Count: 1, 2, 3,", max_tokens=8, temperature=0,
+                                    stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert stop not in out.choices[0].text
+    assert text.startswith(out.choices[0].text)
+
+
+def test_models_endpoint(server: LiveServer) -> None:
+    client = server.openai()
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model_id]
+    assert client.models.retrieve(server.model_id).id == server.model_id

@@ -1,0 +1,102 @@
+"""Settings: CLI > SKIPPY_* environment > TOML file > defaults; malformed values name the setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skippy_cache.__main__ import build_parser
+from skippy_cache.config import StageKvCacheMode
+from skippy_cache.server.settings import OPTIONS, ServerSettings, SettingsError, load_settings
+
+
+def settings(argv: list[str], env: dict[str, str] | None = None) -> ServerSettings:
+    args = build_parser().parse_args(["serve", *argv])
+    return load_settings(args, env or {})
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "skippy.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    s = settings([])
+    assert s == ServerSettings()
+    assert (s.host, s.port, s.ctx_size, s.lanes, s.queue_size, s.api_key) == ("127.0.0.1", 8000, 8192, 4, 64, None)
+    assert s.cache.mode is StageKvCacheMode.AUTO and s.cache.min_tokens == 64
+
+
+def test_cli_options_map_to_settings() -> None:
+    s = settings([
+        "--model", "/m.gguf", "--host", "0.0.0.0", "--port", "9000", "--ctx-size", "4096", "--lanes", "2",
+        "--cache-mode", "off", "--max-entries", "10", "--max-bytes", "1_000_000", "--min-tokens", "32",
+        "--stride", "64", "--record-limit", "0", "--api-key", "k", "--queue-size", "3", "--deterministic",
+    ])
+    assert str(s.model) == "/m.gguf" and s.host == "0.0.0.0" and s.port == 9000
+    assert (s.ctx_size, s.lanes, s.api_key, s.queue_size, s.deterministic) == (4096, 2, "k", 3, True)
+    c = s.cache
+    assert c.mode is StageKvCacheMode.DISABLED
+    assert (c.max_entries, c.max_bytes, c.min_tokens) == (10, 1_000_000, 32)
+    assert (c.shared_prefix_stride_tokens, c.shared_prefix_record_limit) == (64, 0)
+    engine = s.engine_config()
+    assert (engine.ctx_size, engine.lanes, engine.max_queue, engine.deterministic) == (4096, 2, 3, True)
+    assert engine.cache == c
+
+
+def test_environment_including_the_cores_cache_variables() -> None:
+    env = {"SKIPPY_PORT": "8123", "SKIPPY_DETERMINISTIC": "yes", "SKIPPY_KV_CACHE": "record",
+           "SKIPPY_KV_CACHE_MIN_TOKENS": "16", "SKIPPY_KV_CACHE_SHARED_STRIDE_TOKENS": "32"}
+    s = settings([], env)
+    assert s.port == 8123 and s.deterministic is True
+    assert s.cache.mode is StageKvCacheMode.RECORD
+    assert (s.cache.min_tokens, s.cache.shared_prefix_stride_tokens) == (16, 32)
+
+
+def test_precedence_cli_over_env_over_file(tmp_path: Path) -> None:
+    path = write(tmp_path, 'port = 7000\nlanes = 3\nctx_size = 1024\n[cache]\nmin_tokens = 8\nmax_entries = 5\n')
+    env = {"SKIPPY_CONFIG": str(path), "SKIPPY_PORT": "7100", "SKIPPY_KV_CACHE_MIN_TOKENS": "12"}
+    s = settings(["--port", "7200"], env)
+    assert s.port == 7200  # CLI over env over file
+    assert s.cache.min_tokens == 12  # env over file
+    assert (s.lanes, s.ctx_size, s.cache.max_entries) == (3, 1024, 5)  # file over defaults
+    assert settings(["--config", str(path)]).port == 7000
+
+
+def test_file_types_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="deterministic"):
+        settings(["--config", str(write(tmp_path, 'deterministic = "maybe"\n'))])
+    with pytest.raises(SettingsError, match="unknown setting 'ctx'"):
+        settings(["--config", str(write(tmp_path, "ctx = 5\n"))])
+    with pytest.raises(SettingsError, match="not valid TOML"):
+        settings(["--config", str(write(tmp_path, "port = \n"))])
+    with pytest.raises(SettingsError, match="not found"):
+        settings(["--config", str(tmp_path / "missing.toml")])
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "names"),
+    [
+        (["--port", "eighty"], {}, "--port"),
+        (["--port", "70000"], {}, "--port"),
+        (["--lanes", "0"], {}, "--lanes"),
+        (["--cache-mode", "sometimes"], {}, "--cache-mode"),
+        ([], {"SKIPPY_CTX_SIZE": "big"}, "SKIPPY_CTX_SIZE"),
+        ([], {"SKIPPY_DETERMINISTIC": "perhaps"}, "SKIPPY_DETERMINISTIC"),
+        ([], {"SKIPPY_KV_CACHE_MAX_ENTRIES": "-3"}, "SKIPPY_KV_CACHE_MAX_ENTRIES"),
+        ([], {"SKIPPY_KV_CACHE": "sometimes"}, "SKIPPY_KV_CACHE"),
+    ],
+)
+def test_malformed_values_name_the_setting(argv: list[str], env: dict[str, str], names: str) -> None:
+    with pytest.raises(SettingsError, match=names):
+        settings(argv, env)
+
+
+def test_every_option_has_help_and_a_distinct_env_and_flag() -> None:
+    assert len({o.env for o in OPTIONS}) == len(OPTIONS)
+    assert len({o.flag for o in OPTIONS}) == len(OPTIONS)
+    help_text = build_parser().format_help()
+    for option in OPTIONS:
+        assert option.flag in help_text and option.env in help_text and option.help
