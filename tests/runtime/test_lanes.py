@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from skippy_cache.runtime.native import SamplingParams
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
 
 from prompts import make_tokens
 
 
-def test_concurrent_lanes_match_solo_runs(exact_engine):
-    # Deterministic mode: in fast mode, tokens batched with other lanes may
-    # differ in the last float bits (EXACTNESS.md), which is not isolation.
+def test_deterministic_mode_output_does_not_depend_on_what_ran_before(exact_engine):
+    # Deterministic mode runs one request at a time on aligned cells: the same
+    # prompt gives the same tokens whatever the pool held before it.
     exact_engine.clear_cache()
     requests = [
         GenerationRequest(tokens=make_tokens(exact_engine, 80 + 40 * i, seed=60 + i), max_tokens=24, record=False)
@@ -19,6 +21,29 @@ def test_concurrent_lanes_match_solo_runs(exact_engine):
     solo = [exact_engine.generate(r).tokens for r in requests]
     together = [c.tokens for c in exact_engine.generate_many(requests)]
     assert together == solo
+
+
+def test_concurrent_lanes_are_isolated_in_fast_mode(fast_engine):
+    """4 prompts prefilled and decoded in shared batches give what each gives alone.
+
+    Fast mode batches lanes together, which moves the last float bits
+    (EXACTNESS.md), so the first-token logits are compared within a tolerance
+    far below what attending to another lane's cells causes (several units).
+    Later greedy tokens are not compared: on these word-salad prompts the top
+    two candidates are often within that float noise.
+    """
+    requests = [
+        GenerationRequest(
+            tokens=make_tokens(fast_engine, 90 + 37 * i, seed=80 + i), max_tokens=1, record=False, keep_first_logits=True
+        )
+        for i in range(4)
+    ]
+    solo = [fast_engine.generate(r) for r in requests]
+    together = fast_engine.generate_many(requests)
+    for alone, shared in zip(solo, together):
+        assert shared.stats.cached_tokens == 0
+        assert int(np.argmax(alone.first_logits)) == int(np.argmax(shared.first_logits))
+        assert float(np.abs(alone.first_logits - shared.first_logits).max()) < 1.5
 
 
 def test_seeded_sampling_is_reproducible_and_differs_from_greedy(fast_engine):

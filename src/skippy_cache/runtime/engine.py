@@ -166,12 +166,16 @@ class Engine:
             self.ctx,
             ResidentPrefixCache(self.cache_config),
             self.model.kv_bytes_per_token(config.type_k, config.type_v),
+            mirror_cells=config.deterministic,
         )
         self.identity_key = IdentityKey.from_stage(
             self.stage, model_digest=self.info.digest, runtime_abi=runtime_abi()
         )
         self._batch = Batch(config.n_batch)
         self._free_seq_ids = list(range(config.lanes - 1, -1, -1))
+        #: Deterministic mode's pad sequence: the first spare id past the lanes.
+        self._pad_seq = config.lanes
+        self._pad_batch = Batch(config.n_batch) if config.deterministic else None
         self._lanes: list[Lane] = []
         self._waiting: deque[_Waiting] = deque()
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
@@ -351,6 +355,10 @@ class Engine:
         if not self.pool.make_room(n_tokens):
             self._fail_lanes([p.lane for p in planned], "the KV pool has no free cells for this step")
             return True
+        if self._pad_batch is not None:
+            (item,) = planned
+            lane = item.lane
+            self.pool.steer(lane.seq_id, item.p0, item.p1 - item.p0, lane.reserve - item.p0, self._pad_seq, self._pad_batch)
         status = self.ctx.decode(self._batch)
         if status == 1 and self.pool.evict_all():
             # No slot despite the ledger's count (fragmentation or padding):
@@ -360,6 +368,7 @@ class Engine:
             self._decode_failures += 1
             self._fail_lanes([p.lane for p in planned], f"llama_decode failed with status {status}")
             return True
+        self.pool.decoded([(p.lane.seq_id, p.p0, p.p1) for p in planned])
         for item in planned:
             self._after_decode(item)
         if self.config.check_invariants:
@@ -381,6 +390,10 @@ class Engine:
             with self._cv:
                 if not self._waiting:
                     return
+                if self.config.deterministic and self._lanes:
+                    # One request at a time: a lane's cells then form one
+                    # aligned run that no other lane's tokens interleave with.
+                    return
                 head = self._waiting[0]
                 request = head.handle.request
                 reserve = len(request.tokens) + request.max_tokens
@@ -400,6 +413,11 @@ class Engine:
         records = (
             self.policy.record_candidate_token_counts(prefill_end) if self.mode.records and request.record else []
         )
+        if self.config.deterministic:
+            # A hit must end on the alignment grid so the lane's own cells
+            # start a fresh aligned run (see placement.py).
+            lookups = [n for n in lookups if n % self.policy.grid_tokens == 0]
+            records = [n for n in records if n % self.policy.grid_tokens == 0]
         key = self.identity_key.with_namespace(request.namespace)
         identities = prefix_identities(key, request.tokens[:prefill_end], set(lookups) | set(records))
         lane = Lane(
@@ -432,8 +450,11 @@ class Engine:
         if self.config.deterministic and prefilling and not (decoding and self._last_step_prefilled):
             # A prefill chunk never shares a decode with other lanes' tokens,
             # so its floats do not depend on what else is running.
+            # One grid step per chunk: a chunk's size picks the matmul kernel,
+            # so a warm run resuming at any grid length must see exactly the
+            # chunks the cold run saw from there on.
             lane = prefilling[0]
-            end = next_chunk_end(lane.n_past, lane.prefill_end, batch.capacity, grid, must_progress=True)
+            end = next_chunk_end(lane.n_past, lane.prefill_end, min(grid, batch.capacity), grid, must_progress=True)
             batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, False)
             planned.append(_Planned(lane, lane.n_past, end, -1))
             self._last_step_prefilled = True
@@ -457,7 +478,6 @@ class Engine:
 
     def _after_decode(self, item: _Planned) -> None:
         lane = item.lane
-        self.pool.decoded(lane.seq_id, item.p0, item.p1)
         lane.n_past = item.p1
         if item.row < 0:
             if lane.n_past >= lane.prefill_end:
@@ -517,6 +537,8 @@ class Engine:
         lane.sampler.close()
         with self._cv:
             self._lanes.remove(lane)
+        if self._pad_batch is not None and not self._lanes:
+            self.pool.free_lane(self._pad_seq)
         self._free_seq_ids.append(lane.seq_id)
 
     def _fail_lanes(self, lanes: list[Lane], message: str) -> None:

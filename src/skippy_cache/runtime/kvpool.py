@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from skippy_cache.cells import CellLedger
 from skippy_cache.identity import PrefixIdentity
+from skippy_cache.placement import CellMap
 from skippy_cache.resident import ResidentCacheError, ResidentEviction, ResidentPrefixCache
-from skippy_cache.runtime.native import NativeContext
+from skippy_cache.runtime.native import Batch, NativeContext
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,25 +35,80 @@ class PoolCounters:
     record_skips: int = 0
     proactive_evictions: int = 0
     budget_evictions: int = 0
+    #: Deterministic mode: pad tokens decoded to steer placement, and steps
+    #: that could not be placed on the alignment grid (not bit-exact).
+    pad_tokens: int = 0
+    unaligned_steps: int = 0
 
 
 class KvPool:
-    def __init__(self, ctx: NativeContext, cache: ResidentPrefixCache, bytes_per_token: int) -> None:
+    def __init__(
+        self, ctx: NativeContext, cache: ResidentPrefixCache, bytes_per_token: int, *, mirror_cells: bool = False
+    ) -> None:
         self.ctx = ctx
         self.cache = cache
         self.ledger = CellLedger(ctx.n_ctx)
+        #: Physical placement mirror, kept only where placement is steered (deterministic mode).
+        self.cells: CellMap | None = CellMap(ctx.n_ctx) if mirror_cells else None
+        #: Deterministic mode: the cell of position 0 for each lane (position p sits at base + p).
+        self._bases: dict[int, int] = {}
         self.bytes_per_token = bytes_per_token
         self.counters = PoolCounters()
 
     # -- lanes ---------------------------------------------------------------
 
-    def decoded(self, seq_id: int, p0: int, p1: int) -> None:
-        """Book cells a successful `llama_decode` wrote for `seq_id`."""
-        self.ledger.on_decode(seq_id, p0, p1)
+    def decoded(self, runs: list[tuple[int, int, int]]) -> None:
+        """Book the (seq, p0, p1) runs of a successful `llama_decode`, in batch order."""
+        for seq_id, p0, p1 in runs:
+            self.ledger.on_decode(seq_id, p0, p1)
+        if self.cells is not None:
+            self.cells.decode(runs)
 
     def free_lane(self, seq_id: int) -> None:
-        self.ctx.seq_rm(seq_id, -1, -1)
-        self.ledger.on_seq_rm(seq_id)
+        self._seq_rm(seq_id)
+        self._bases.pop(seq_id, None)
+
+    def steer(self, seq_id: int, p0: int, n_tokens: int, remaining: int, pad_seq: int, pad_batch: Batch) -> bool:
+        """Deterministic mode: make the lane's next `n_tokens` land on cells aligned with their positions.
+
+        The lane's own cells form one run whose first cell is congruent to its
+        first position mod 64 and lies after the cells it copied from the cache.
+        Free cells the allocator would reach first are filled with pad tokens.
+        False when no aligned run exists even with the cache empty: the step
+        still runs, but is not bit-exact (counted in `unaligned_steps`).
+        """
+        cells = self.cells
+        assert cells is not None, "steer() needs the placement mirror (deterministic mode)"
+        base = self._bases.get(seq_id)
+        if base is None:
+            while (target := cells.aligned_target(cells.last_cell(seq_id), p0, remaining)) is None:
+                if self.cache.evict_one_lru_entry(self._drop) is None:
+                    self.counters.unaligned_steps += 1
+                    return False
+                self.counters.proactive_evictions += 1
+            base = self._bases[seq_id] = target - p0
+        for _ in range(4):
+            pad = cells.pad_needed(base + p0, n_tokens)
+            if pad == 0:
+                return True
+            if not self._decode_pad(pad_seq, pad, pad_batch):
+                break
+        self.counters.unaligned_steps += 1
+        return False
+
+    def _decode_pad(self, pad_seq: int, count: int, batch: Batch) -> bool:
+        pos = self.ledger.pos_max(pad_seq) + 1
+        while count > 0:
+            n = min(count, batch.capacity)
+            batch.clear()
+            batch.add(pad_seq, [0] * n, pos, False)
+            if self.ctx.decode(batch) != 0:
+                return False
+            self.decoded([(pad_seq, pos, pos + n)])
+            self.counters.pad_tokens += n
+            pos += n
+            count -= n
+        return True
 
     # -- cache path ----------------------------------------------------------
 
@@ -69,8 +125,7 @@ class KvPool:
             if hit is None:
                 continue
             try:
-                self.ctx.seq_cp(hit.seq_id, lane_seq, 0, n)
-                self.ledger.on_seq_cp(hit.seq_id, lane_seq, 0, n)
+                self._seq_cp(hit.seq_id, lane_seq, n)
             finally:
                 self.cache.release(page)
             self.counters.hits += 1
@@ -96,8 +151,7 @@ class KvPool:
             if not allocation.should_save:
                 continue
             seq = allocation.seq_id
-            self.ctx.seq_cp(lane_seq, seq, 0, n)
-            self.ledger.on_seq_cp(lane_seq, seq, 0, n)
+            self._seq_cp(lane_seq, seq, n)
             self.cache.commit_record(page, seq, n, nbytes)
             self.counters.records += 1
             saved += 1
@@ -115,5 +169,16 @@ class KvPool:
         return len(self.cache.clear(self._drop))
 
     def _drop(self, eviction: ResidentEviction) -> None:
-        self.ctx.seq_rm(eviction.seq_id, -1, -1)
-        self.ledger.on_seq_rm(eviction.seq_id)
+        self._seq_rm(eviction.seq_id)
+
+    def _seq_cp(self, src: int, dst: int, n: int) -> None:
+        self.ctx.seq_cp(src, dst, 0, n)
+        self.ledger.on_seq_cp(src, dst, 0, n)
+        if self.cells is not None:
+            self.cells.seq_cp(src, dst, 0, n)
+
+    def _seq_rm(self, seq_id: int) -> None:
+        self.ctx.seq_rm(seq_id, -1, -1)
+        self.ledger.on_seq_rm(seq_id)
+        if self.cells is not None:
+            self.cells.seq_rm(seq_id)
