@@ -493,7 +493,7 @@ class Engine:
             return
         lane.generated.append(token)
         delta = lane.stream.push(self.model.token_bytes(token))
-        lane.sink(TokenEvent(token, delta.text))
+        self._emit(lane.sink, TokenEvent(token, delta.text))
         if delta.stopped_on is not None:
             self._finish(lane, FinishReason.STOP)
         elif len(lane.generated) >= lane.request.max_tokens:
@@ -513,7 +513,7 @@ class Engine:
         now = time.perf_counter()
         tail = lane.stream.finish().text if reason in (FinishReason.STOP, FinishReason.LENGTH) else ""
         if tail:
-            lane.sink(TokenEvent(-1, tail))
+            self._emit(lane.sink, TokenEvent(-1, tail))
         self._release_lane(lane)
         t_first = lane.t_first or now
         n_out = len(lane.generated)
@@ -530,7 +530,7 @@ class Engine:
         self._requests_done += 1
         self._prompt_tokens += len(lane.prompt)
         self._cached_tokens += lane.cached_tokens
-        lane.sink(DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits))
+        self._emit(lane.sink, DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits))
 
     def _release_lane(self, lane: Lane) -> None:
         self.pool.free_lane(lane.seq_id)
@@ -542,16 +542,35 @@ class Engine:
         self._free_seq_ids.append(lane.seq_id)
 
     def _fail_lanes(self, lanes: list[Lane], message: str) -> None:
-        for lane in dict.fromkeys(lanes):
+        for lane in lanes:
             if lane in self._lanes:
                 self._finish(lane, FinishReason.ERROR, message)
 
     def _fail_all(self, message: str) -> None:
-        self._fail_lanes(list(self._lanes), message)
+        """Fail every running request; used after an unexpected error, so each lane is freed on its own."""
+        for lane in list(self._lanes):
+            try:
+                self._finish(lane, FinishReason.ERROR, message)
+            except Exception:  # noqa: BLE001 - keep freeing the others
+                log.error("could not fail lane %d cleanly:\n%s", lane.seq_id, traceback.format_exc())
+                self.pool.free_lane(lane.seq_id)
+                with self._cv:
+                    if lane in self._lanes:
+                        self._lanes.remove(lane)
+                        self._free_seq_ids.append(lane.seq_id)
 
     def _emit_done_unadmitted(self, waiting: _Waiting, reason: FinishReason) -> None:
         stats = RequestStats(len(waiting.handle.request.tokens), 0, 0, 0.0, 0.0, 0.0, 0.0)
-        waiting.sink(DoneEvent(reason, stats, "", ()))
+        self._emit(waiting.sink, DoneEvent(reason, stats, "", ()))
+
+    @staticmethod
+    def _emit(sink: EventSink, event: Event) -> None:
+        # A caller's sink that raises (e.g. its event loop has closed) must not
+        # take the engine step, and every other lane's request, down with it.
+        try:
+            sink(event)
+        except Exception:  # noqa: BLE001
+            log.warning("an event sink raised; dropping its event:\n%s", traceback.format_exc())
 
     def _check_invariants(self) -> None:
         try:

@@ -23,9 +23,9 @@ class Phase(Enum):
     DECODE = "decode"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Lane:
-    """Owned by the engine thread."""
+    """Owned by the engine thread. Compared by identity: two lanes are never "equal"."""
 
     seq_id: int
     handle: RequestHandle
