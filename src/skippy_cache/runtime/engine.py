@@ -21,7 +21,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -188,6 +188,8 @@ class Engine:
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self.invariant_failures: list[str] = []
+        self._outbox: list[tuple[EventSink, DoneEvent]] = []
+        self._publish()
         self._thread: threading.Thread | None = None
         if start:
             self._thread = threading.Thread(target=self._run, name="skippy-engine", daemon=True)
@@ -280,10 +282,15 @@ class Engine:
         return self.call(self.pool.evict_all)
 
     def stats(self) -> EngineStats:
+        """A snapshot from the end of the last step (safe from any thread)."""
+        return self._snapshot
+
+    def _publish(self) -> None:
+        """Engine thread only: the pool's books are not safe to read while a step runs."""
         with self._cv:
             lanes = list(self._lanes)
             queue_depth = len(self._waiting)
-        return EngineStats(
+        self._snapshot = EngineStats(
             lanes_total=self.config.lanes,
             lanes_busy=len(lanes),
             queue_depth=queue_depth,
@@ -291,7 +298,7 @@ class Engine:
             used_cells=self.pool.ledger.used_cells,
             reserved_cells=sum(lane.reserve for lane in lanes),
             cache=self.pool.cache.stats(),
-            pool=PoolCounters(**{f: getattr(self.pool.counters, f) for f in PoolCounters.__slots__}),
+            pool=replace(self.pool.counters),
             cache_mode=self.mode.value,
             steps=self._steps,
             decode_failures=self._decode_failures,
@@ -331,6 +338,10 @@ class Engine:
             except Exception:  # noqa: BLE001 - the loop must survive a bug in one step
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_all("internal error in the engine step; see the server log")
+            self._publish()
+            outbox, self._outbox = self._outbox, []
+            for sink, event in outbox:
+                self._emit(sink, event)
 
     def _run_calls(self) -> None:
         while True:
@@ -339,7 +350,9 @@ class Engine:
                     return
                 fn, future = self._calls.popleft()
             try:
-                future.set_result(fn())
+                result = fn()
+                self._publish()
+                future.set_result(result)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
 
@@ -530,7 +543,9 @@ class Engine:
         self._requests_done += 1
         self._prompt_tokens += len(lane.prompt)
         self._cached_tokens += lane.cached_tokens
-        self._emit(lane.sink, DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits))
+        # Sent after the step's stats are published, so a caller that reads
+        # stats() on completion sees its own request counted.
+        self._outbox.append((lane.sink, DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits)))
 
     def _release_lane(self, lane: Lane) -> None:
         self.pool.free_lane(lane.seq_id)
@@ -561,7 +576,7 @@ class Engine:
 
     def _emit_done_unadmitted(self, waiting: _Waiting, reason: FinishReason) -> None:
         stats = RequestStats(len(waiting.handle.request.tokens), 0, 0, 0.0, 0.0, 0.0, 0.0)
-        self._emit(waiting.sink, DoneEvent(reason, stats, "", ()))
+        self._outbox.append((waiting.sink, DoneEvent(reason, stats, "", ())))
 
     @staticmethod
     def _emit(sink: EventSink, event: Event) -> None:

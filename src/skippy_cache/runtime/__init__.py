@@ -1,0 +1,39 @@
+"""The llama.cpp runtime: the engine, its lanes and the native calls the core's decisions need."""
+
+from skippy_cache.runtime.engine import Engine, EngineConfig, EngineStats, available_cores
+from skippy_cache.runtime.gguf_info import GgufInfo, ModelNotFoundError, default_model_path, read_gguf_info
+from skippy_cache.runtime.native import SamplingParams
+from skippy_cache.runtime.requests import (
+    Completion,
+    DoneEvent,
+    EngineClosedError,
+    FinishReason,
+    GenerationRequest,
+    QueueFullError,
+    RequestError,
+    RequestHandle,
+    RequestStats,
+    TokenEvent,
+)
+
+__all__ = [
+    "Completion",
+    "DoneEvent",
+    "Engine",
+    "EngineClosedError",
+    "EngineConfig",
+    "EngineStats",
+    "FinishReason",
+    "GenerationRequest",
+    "GgufInfo",
+    "ModelNotFoundError",
+    "QueueFullError",
+    "RequestError",
+    "RequestHandle",
+    "RequestStats",
+    "SamplingParams",
+    "TokenEvent",
+    "available_cores",
+    "default_model_path",
+    "read_gguf_info",
+]
