@@ -16,13 +16,11 @@ import skippy_cache
 PACKAGE_DIR = Path(skippy_cache.__file__).resolve().parent
 SRC = PACKAGE_DIR.parent
 
-CORE_MODULES = [
-    "skippy_cache",
-    "skippy_cache.config",
-    "skippy_cache.identity",
-    "skippy_cache.resident",
-    "skippy_cache.cells",
-]
+# Every top-level module is core: the runtime and the server live in subpackages.
+# `__main__` is the CLI, which reaches the runtime and server lazily.
+CORE_MODULES = ["skippy_cache"] + sorted(
+    f"skippy_cache.{path.stem}" for path in PACKAGE_DIR.glob("*.py") if path.stem not in {"__init__", "__main__"}
+)
 
 # Checked at run time in sys.modules. Neither blake3 nor the stdlib modules the
 # core uses load `threading` (checked on CPython 3.11); if a future stdlib does,
