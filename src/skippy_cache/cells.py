@@ -130,7 +130,7 @@ class CellLedger:
 
 
 def _bounds(p0: int, p1: int) -> tuple[int, int]:
-    return (p0 if p0 >= 0 else 0, p1 if p1 >= 0 else 1 << 62)
+    return (max(p0, 0), p1 if p1 >= 0 else 1 << 62)
 
 
 def _distinct(all_segments: Iterable[list[Segment]]) -> int:

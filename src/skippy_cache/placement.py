@@ -87,7 +87,7 @@ class CellMap:
                 self._hold(cell)
 
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
-        lo, hi = (p0 if p0 >= 0 else 0), (p1 if p1 >= 0 else 1 << 62)
+        lo, hi = (max(p0, 0)), (p1 if p1 >= 0 else 1 << 62)
         held = self.seqs.get(seq)
         if not held:
             return
@@ -100,8 +100,7 @@ class CellMap:
                 first_freed = min(first_freed, cell)
         if not held:
             del self.seqs[seq]
-        if first_freed < self.head:
-            self.head = first_freed
+        self.head = min(self.head, first_freed)
 
     def last_cell(self, seq: int) -> int:
         held = self.seqs.get(seq)

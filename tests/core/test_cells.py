@@ -199,14 +199,14 @@ class BruteForcePool:
             held[p] = object()  # a fresh cell
 
     def copied(self, src: int, p0: int, p1: int) -> dict[int, object]:
-        lo, hi = p0 if p0 >= 0 else 0, p1 if p1 >= 0 else 1 << 62
+        lo, hi = max(p0, 0), p1 if p1 >= 0 else 1 << 62
         return {p: c for p, c in self.seqs.get(src, {}).items() if lo <= p < hi}
 
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         self.seqs.setdefault(dst, {}).update(self.copied(src, p0, p1))
 
     def seq_rm(self, seq: int, p0: int, p1: int) -> None:
-        lo, hi = p0 if p0 >= 0 else 0, p1 if p1 >= 0 else 1 << 62
+        lo, hi = max(p0, 0), p1 if p1 >= 0 else 1 << 62
         held = self.seqs.get(seq, {})
         for p in [p for p in held if lo <= p < hi]:
             del held[p]

@@ -353,8 +353,7 @@ def _rust_candidates(p: PrefixCandidatePolicy, token_count: int) -> list[int]:
     candidate = max(token_count - token_count % max(stride, 1), 0)
     if candidate == token_count:
         candidate = max(candidate - stride, 0)
-    if candidate < p.min_tokens:
-        candidate = p.min_tokens
+    candidate = max(candidate, p.min_tokens)
     while candidate >= p.min_tokens:
         counts.append(candidate)
         if candidate == p.min_tokens:

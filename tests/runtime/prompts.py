@@ -6,12 +6,7 @@ import random
 
 from skippy_cache.runtime.engine import Engine
 
-_WORDS = (
-    "the cache keeps state of every prefix that a server has seen so that a later request with the same "
-    "system prompt tool list or conversation skips its prefill and answers sooner river mountain orange "
-    "seven quietly build measure exact token model layer memory sequence copy lane batch decode sample "
-    "history question answer document summary careful number letter window garden silver planet engine"
-).split()
+_WORDS = ["the", "cache", "keeps", "state", "of", "every", "prefix", "that", "a", "server", "has", "seen", "so", "that", "a", "later", "request", "with", "the", "same", "system", "prompt", "tool", "list", "or", "conversation", "skips", "its", "prefill", "and", "answers", "sooner", "river", "mountain", "orange", "seven", "quietly", "build", "measure", "exact", "token", "model", "layer", "memory", "sequence", "copy", "lane", "batch", "decode", "sample", "history", "question", "answer", "document", "summary", "careful", "number", "letter", "window", "garden", "silver", "planet", "engine"]
 
 
 def make_tokens(engine: Engine, n: int, seed: int) -> list[int]:

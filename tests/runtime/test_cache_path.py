@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from prompts import make_tokens
 
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest, RequestError
-
-from prompts import make_tokens
 
 
 def test_partial_hit_reuses_exactly_the_policy_grid_length(fast_engine):

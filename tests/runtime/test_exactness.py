@@ -10,10 +10,9 @@ not asserted here.
 from __future__ import annotations
 
 import numpy as np
+from prompts import make_tokens
 
 from skippy_cache.runtime.requests import GenerationRequest
-
-from prompts import make_tokens
 
 
 def test_full_repeat_gives_bit_identical_logits_and_text(fast_engine):

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+from prompts import make_tokens
 
 from skippy_cache.runtime.native import SamplingParams
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
-
-from prompts import make_tokens
 
 
 def test_deterministic_mode_output_does_not_depend_on_what_ran_before(exact_engine):

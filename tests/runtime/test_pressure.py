@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from prompts import make_tokens
 
 from skippy_cache.runtime.engine import Engine, EngineConfig
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
-
-from prompts import make_tokens
 
 
 @pytest.mark.timeout(600)

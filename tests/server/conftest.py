@@ -38,4 +38,5 @@ def server(engine: Engine) -> Iterator[LiveServer]:
 @pytest.fixture(scope="session")
 def key_server(engine: Engine) -> Iterator[LiveServer]:
     """The same engine behind a second app that requires an API key."""
-    yield from run_server(engine, ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE, api_key=API_KEY))
+    settings = ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE, api_key=API_KEY)
+    yield from run_server(engine, settings)

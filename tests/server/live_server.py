@@ -69,7 +69,7 @@ class LiveServer:
 
 
 def warm_up(engine: Engine) -> None:
-    """One tiny generation: the first `llama_decode` of a fresh context is slow (seconds), keep it out of tests."""
+    """One tiny generation: a fresh context's first `llama_decode` takes seconds; keep it out of tests."""
     engine.generate(GenerationRequest(tokens=engine.tokenize("Hello"), max_tokens=2), timeout=300)
 
 
@@ -80,7 +80,8 @@ def run_server(engine: Engine, settings: ServerSettings) -> Iterator[LiveServer]
     port = sock.getsockname()[1]
     app = create_app(engine, settings)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}",
+                              daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:

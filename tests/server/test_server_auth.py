@@ -11,14 +11,16 @@ pytestmark = [pytest.mark.model, pytest.mark.timeout(120)]
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}],
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+     {"Authorization": f"Basic {API_KEY}"}],
     ids=["no header", "wrong key", "no scheme", "basic scheme"],
 )
 @pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
                                               ("GET", "/v1/cache")])
 def test_missing_or_wrong_key_is_401(key_server: LiveServer, headers: dict, method: str, path: str) -> None:
     with key_server.http() as http:
-        response = http.request(method, path, headers=headers, json={"messages": [{"role": "user", "content": "x"}]})
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        response = http.request(method, path, headers=headers, json=body)
     assert response.status_code == 401
     assert response.headers["WWW-Authenticate"] == "Bearer"
     error = response.json()["error"]

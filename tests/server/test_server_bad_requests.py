@@ -27,30 +27,33 @@ CASES = [
     ("prompt mixes ids and text", COMPLETIONS, {"prompt": [1, "a"]}, 400, "prompt", None),
     ("empty prompt", COMPLETIONS, {"prompt": ""}, 400, "prompt", None),
     ("empty token list", COMPLETIONS, {"prompt": []}, 400, "prompt", None),
-    ("max_tokens is a string", COMPLETIONS, {"prompt": "x", "max_tokens": "8"}, 400, "max_tokens", "invalid_type"),
+    ("max_tokens is a string", COMPLETIONS, {"prompt": "x", "max_tokens": "8"}, 400, "max_tokens",
+     "invalid_type"),
     ("temperature is a string", COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
     ("temperature out of range", COMPLETIONS, {"prompt": "x", "temperature": 3.5}, 400, "temperature", None),
     ("stream is a string", CHAT, {"messages": USER, "stream": "yes"}, 400, "stream", "invalid_type"),
     ("message content is a number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400,
      "messages[0].content", None),
     ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", None),
-    ("image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "messages[0].content", None),
+    ("image part", CHAT,
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "messages[0].content", None),
     ("unknown model", COMPLETIONS, {"prompt": "x", "model": "gpt-4o"}, 404, "model", "model_not_found"),
     ("unknown model (chat)", CHAT, {"messages": USER, "model": "nope"}, 404, "model", "model_not_found"),
     ("n > 1", COMPLETIONS, {"prompt": "x", "n": 2}, 400, "n", None),
     ("negative max_tokens", COMPLETIONS, {"prompt": "x", "max_tokens": -5}, 400, "max_tokens", None),
     ("zero max_completion_tokens", CHAT, {"messages": USER, "max_completion_tokens": 0}, 400,
      "max_completion_tokens", None),
-    ("prompt + max_tokens beyond the context", COMPLETIONS, {"prompt": "x", "max_tokens": TOO_MANY_TOKENS}, 400,
-     "max_tokens", "context_length_exceeded"),
+    ("prompt + max_tokens beyond the context", COMPLETIONS, {"prompt": "x", "max_tokens": TOO_MANY_TOKENS},
+     400, "max_tokens", "context_length_exceeded"),
     ("chat + max_tokens beyond the context", CHAT, {"messages": USER, "max_tokens": TOO_MANY_TOKENS}, 400,
      "max_tokens", "context_length_exceeded"),
     ("prompt alone beyond the context", COMPLETIONS, {"prompt": [1] * 2100}, 400, "prompt",
      "context_length_exceeded"),
     ("token id out of vocabulary", COMPLETIONS, {"prompt": [1, 10**9]}, 400, "prompt", None),
     ("negative token id", COMPLETIONS, {"prompt": [-3]}, 400, "prompt", None),
-    ("stop list too long", COMPLETIONS, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    ("stop list too long", COMPLETIONS, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
+     None),
     ("stop of wrong type", COMPLETIONS, {"prompt": "x", "stop": 7}, 400, "stop", None),
     ("empty cache_salt", COMPLETIONS, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt", None),
     ("stream_options wrong type", CHAT, {"messages": USER, "stream_options": {"include_usage": "y"}}, 400,
@@ -58,7 +61,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "path", "body", "status", "param", "code"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("name", "path", "body", "status", "param", "code"), CASES,
+                         ids=[c[0] for c in CASES])
 def test_bad_request(server: LiveServer, name: str, path: str, body: object, status: int, param: str | None,
                      code: str | None) -> None:
     raw = body if isinstance(body, str) else json.dumps(body)
@@ -95,6 +99,7 @@ def test_healthy_after_bad_requests(server: LiveServer) -> None:
             http.post(path, content=body if isinstance(body, str) else json.dumps(body))
         health = http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    out = server.openai().completions.create(model=server.model_id, prompt="One, two,", max_tokens=2, temperature=0)
+    out = server.openai().completions.create(model=server.model_id, prompt="One, two,", max_tokens=2,
+                                             temperature=0)
     assert out.choices[0].finish_reason in ("stop", "length")
     server.wait_idle()

@@ -9,7 +9,8 @@ from skippy_cache.server.schemas import ChatCompletionRequest, ChatMessage
 
 SMOLLM2 = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
+    "trained by Hugging Face<|im_end|>\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -48,14 +49,19 @@ def test_bos_token_and_trim_blocks() -> None:
 
 
 def test_raise_exception_becomes_a_template_error() -> None:
-    template = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}"
+    template = (
+        "{% if messages[0].role != 'user' %}"
+        "{{ raise_exception('first message must be from the user') }}{% endif %}"
+    )
     chat = ChatFormatter(template, bos_token="", eos_token="")
     with pytest.raises(ChatTemplateError, match="first message must be from the user"):
         chat.render(messages(("assistant", "x")))
 
 
 def test_tojson_keeps_non_ascii_and_generation_tag_renders_its_body() -> None:
-    template = "{% for m in messages %}{{ m.content | tojson }}{% generation %}!{% endgeneration %}{% endfor %}"
+    template = (
+        "{% for m in messages %}{{ m.content | tojson }}{% generation %}!{% endgeneration %}{% endfor %}"
+    )
     chat = ChatFormatter(template, bos_token="", eos_token="")
     assert chat.render(messages(("user", "héllo <b>"))) == '"héllo <b>"!'
 

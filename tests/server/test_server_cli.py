@@ -55,14 +55,17 @@ def test_serve_answers_then_drains_on_sigterm() -> None:
             time.sleep(0.25)
 
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
-        out = client.chat.completions.create(model="skippy-cache", messages=[{"role": "user", "content": "Hi!"}],
-                                             max_tokens=4, temperature=0)
+        out = client.chat.completions.create(
+            model="skippy-cache", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4, temperature=0
+        )
         assert out.choices[0].message.content is not None
         assert out.usage.prompt_tokens > 0
 
         # A stream in flight when SIGTERM arrives still finishes (drain).
-        stream = client.completions.create(model="skippy-cache", prompt="Once upon a time, in a land far away,",
-                                           max_tokens=12, temperature=0, stream=True)
+        stream = client.completions.create(
+            model="skippy-cache", prompt="Once upon a time, in a land far away,", max_tokens=12,
+            temperature=0, stream=True,
+        )
         first = next(iter(stream))
         proc.send_signal(signal.SIGTERM)
         rest = list(stream)
@@ -89,8 +92,8 @@ def test_malformed_setting_exits_2_naming_it() -> None:
 
 
 def test_missing_model_exits_1() -> None:
-    out = subprocess.run([sys.executable, "-m", "skippy_cache", "serve", "--model", "/nonexistent/model.gguf"],
-                         env=clean_env(), capture_output=True, text=True, timeout=60)
+    argv = [sys.executable, "-m", "skippy_cache", "serve", "--model", "/nonexistent/model.gguf"]
+    out = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "model file not found" in out.stderr
 

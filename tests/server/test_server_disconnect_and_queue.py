@@ -33,7 +33,7 @@ def cancelled_count(server: LiveServer) -> float:
     return server.metrics().get(("skippy_generations_total", (("reason", "cancelled"),)), 0.0)
 
 
-def wait_for(predicate, what: str, timeout: float = 60.0) -> None:  # noqa: ANN001
+def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -44,7 +44,8 @@ class HogStream:
     """The abandoned request, streamed, read up to its first token chunk (it is then running)."""
 
     def __init__(self, server: LiveServer, http: httpx.Client) -> None:
-        body = {"prompt": ABANDONED_PROMPT, "max_tokens": hog_max_tokens(server), "temperature": 0, "stream": True}
+        body = {"prompt": ABANDONED_PROMPT, "max_tokens": hog_max_tokens(server), "temperature": 0,
+                "stream": True}
         self.response = http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
         assert self.response.status_code == 200
         # Keep the iterator referenced: dropping a half-read httpx line iterator
@@ -75,7 +76,7 @@ def test_disconnect_mid_stream_frees_the_lane(server: LiveServer) -> None:
     with server.http() as http:
         hog = HogStream(server, http)
         time.sleep(0.5)
-        assert engine_stats(server.engine).lanes_busy == 1, "the abandoned request ended before it was abandoned"
+        assert engine_stats(server.engine).lanes_busy == 1, "the request ended before it was abandoned"
         hog.close()
     follow_up(server)  # needs cells only the abandoned request held
     wait_for(lambda: cancelled_count(server) == before + 1, "the abandoned request to be cancelled")

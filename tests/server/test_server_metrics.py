@@ -43,17 +43,17 @@ def test_metrics_parse_and_move(server: LiveServer) -> None:
         == value(before, "skippy_requests_total", **COMPLETIONS_OK) + 2
     assert value(after, "skippy_requests_total", **COMPLETIONS_BAD) \
         == value(before, "skippy_requests_total", **COMPLETIONS_BAD) + 1
-    prompt_tokens = first.usage.prompt_tokens + second.usage.prompt_tokens
-    assert value(after, "skippy_prompt_tokens_total") - value(before, "skippy_prompt_tokens_total") == prompt_tokens
+
+    def moved(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert moved("skippy_prompt_tokens_total") == first.usage.prompt_tokens + second.usage.prompt_tokens
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached > 0
-    assert value(after, "skippy_cached_prompt_tokens_total") - value(before, "skippy_cached_prompt_tokens_total") \
-        == cached
-    completion = first.usage.completion_tokens + second.usage.completion_tokens
-    assert value(after, "skippy_completion_tokens_total") - value(before, "skippy_completion_tokens_total") \
-        == completion
-    assert value(after, "skippy_time_to_first_token_seconds_count") \
-        == value(before, "skippy_time_to_first_token_seconds_count") + 2
+    assert moved("skippy_cached_prompt_tokens_total") == cached
+    completion_tokens = first.usage.completion_tokens + second.usage.completion_tokens
+    assert moved("skippy_completion_tokens_total") == completion_tokens
+    assert moved("skippy_time_to_first_token_seconds_count") == 2
     assert value(after, "skippy_cache_hits_total") >= value(before, "skippy_cache_hits_total") + 1
     assert value(after, "skippy_cache_resident_entries") >= 1
     assert value(after, "skippy_cache_resident_tokens") > 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from live_server import LiveServer
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(180)]
@@ -67,8 +66,10 @@ def test_chat_streamed_with_usage(server: LiveServer) -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
     whole = client.chat.completions.create(model=server.model_id, messages=messages, max_completion_tokens=8,
                                            temperature=0)
-    stream = client.chat.completions.create(model=server.model_id, messages=messages, max_completion_tokens=8,
-                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=server.model_id, messages=messages, max_completion_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -94,9 +95,11 @@ def test_second_identical_request_reports_cached_tokens(server: LiveServer) -> N
 
 def test_second_identical_chat_reports_cached_tokens(server: LiveServer) -> None:
     client = server.openai()
-    messages = [{"role": "system", "content": long_prompt("volcanoes")}, {"role": "user", "content": "Go on."}]
-    first = client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=3, temperature=0)
-    second = client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=3, temperature=0)
+    messages = [{"role": "system", "content": long_prompt("volcanoes")},
+                {"role": "user", "content": "Go on."}]
+    args = dict(model=server.model_id, messages=messages, max_tokens=3, temperature=0)
+    first = client.chat.completions.create(**args)
+    second = client.chat.completions.create(**args)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens > 0
 
@@ -120,18 +123,19 @@ def test_cache_salt_separates_tenants(server: LiveServer) -> None:
 
 def test_token_id_prompt(server: LiveServer) -> None:
     tokens = server.engine.tokenize("The sky is")
-    out = server.openai().completions.create(model=server.model_id, prompt=tokens, max_tokens=3, temperature=0)
+    out = server.openai().completions.create(model=server.model_id, prompt=tokens, max_tokens=3,
+                                             temperature=0)
     assert out.usage.prompt_tokens == len(tokens)
 
 
 def test_stop_string_ends_with_stop(server: LiveServer) -> None:
     client = server.openai()
-    free = client.completions.create(model=server.model_id, prompt="Count: 1, 2, 3,", max_tokens=8, temperature=0)
+    args = dict(model=server.model_id, prompt="Count: 1, 2, 3,", max_tokens=8, temperature=0)
+    free = client.completions.create(**args)
     text = free.choices[0].text
     assert len(text) > 2
     stop = text[2:4] if text[2:4].strip() else text[1:3]
-    out = client.completions.create(model=server.model_id, prompt="Count: 1, 2, 3,", max_tokens=8, temperature=0,
-                                    stop=[stop])
+    out = client.completions.create(**args, stop=[stop])
     assert out.choices[0].finish_reason == "stop"
     assert stop not in out.choices[0].text
     assert text.startswith(out.choices[0].text)

@@ -25,7 +25,8 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults() -> None:
     s = settings([])
     assert s == ServerSettings()
-    assert (s.host, s.port, s.ctx_size, s.lanes, s.queue_size, s.api_key) == ("127.0.0.1", 8000, 8192, 4, 64, None)
+    assert (s.host, s.port, s.ctx_size, s.lanes) == ("127.0.0.1", 8000, 8192, 4)
+    assert (s.queue_size, s.api_key) == (64, None)
     assert s.cache.mode is StageKvCacheMode.AUTO and s.cache.min_tokens == 64
 
 
@@ -56,7 +57,8 @@ def test_environment_including_the_cores_cache_variables() -> None:
 
 
 def test_precedence_cli_over_env_over_file(tmp_path: Path) -> None:
-    path = write(tmp_path, 'port = 7000\nlanes = 3\nctx_size = 1024\n[cache]\nmin_tokens = 8\nmax_entries = 5\n')
+    toml = "port = 7000\nlanes = 3\nctx_size = 1024\n[cache]\nmin_tokens = 8\nmax_entries = 5\n"
+    path = write(tmp_path, toml)
     env = {"SKIPPY_CONFIG": str(path), "SKIPPY_PORT": "7100", "SKIPPY_KV_CACHE_MIN_TOKENS": "12"}
     s = settings(["--port", "7200"], env)
     assert s.port == 7200  # CLI over env over file

@@ -30,7 +30,6 @@ from skippy_cache.config import (
     ResidentCacheConfig,
     StageConfig,
     StageKvCacheConfig,
-    StageKvCacheMode,
 )
 from skippy_cache.family import resolve_mode
 from skippy_cache.identity import IdentityKey, prefix_identities
@@ -267,10 +266,17 @@ class Engine:
             out.append(Completion(done.text, done.tokens, done.finish_reason, done.stats, done.first_logits))
         return out
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running (False once closed or if it died)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def call(self, fn: Callable[[], T], timeout: float | None = 60.0) -> T:
         """Run `fn` on the engine thread between steps (admin actions, tests) and return its result."""
         if self._thread is None or threading.current_thread() is self._thread:
             return fn()
+        if not self.alive:
+            raise EngineClosedError("the engine thread is not running")
         future: Future = Future()
         with self._cv:
             self._calls.append((fn, future))

@@ -77,7 +77,8 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
             "context_length": engine.n_ctx,
         }
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_auth(settings.api_key))] if settings.api_key else [])
+    auth = [Depends(_bearer_auth(settings.api_key))] if settings.api_key else []
+    v1 = APIRouter(prefix="/v1", dependencies=auth)
     v1.add_api_route("/completions", generation.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", generation.chat_completions, methods=["POST"])
 
@@ -100,7 +101,12 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     @app.get("/health")
     async def health() -> JSONResponse:
         s = engine_stats(engine)
-        status = "shutting_down" if app.state.shutting_down else "ok"
+        if app.state.shutting_down:
+            status = "shutting_down"
+        elif not engine.alive:
+            status = "engine_stopped"
+        else:
+            status = "ok"
         body = {
             "status": status,
             "model": model_id,
@@ -124,7 +130,7 @@ def _special(engine: Engine, token: int) -> str:
     return engine.model.token_bytes(token, special=True).decode("utf-8", "replace")
 
 
-def _bearer_auth(api_key: str):  # noqa: ANN202 - a FastAPI dependency
+def _bearer_auth(api_key: str):
     expected = api_key.encode("utf-8")
 
     async def check(request: Request) -> None:

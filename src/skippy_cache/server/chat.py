@@ -44,7 +44,9 @@ def _raise_exception(message: str) -> None:
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     # transformers' version: jinja2's own `tojson` escapes HTML, which changes the prompt.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -52,7 +54,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 class _GenerationTag(Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering keeps the body."""
+    """`{% generation %}...{% endgeneration %}`: marks assistant text for training masks; renders its body."""
 
     tags = {"generation"}
 
@@ -66,7 +68,9 @@ class _GenerationTag(Extension):
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -30,7 +30,7 @@ class APIError(Exception):
         status: int,
         message: str,
         *,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
@@ -44,7 +44,9 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:  # noqa: A002
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -54,7 +56,7 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def from_engine_error(exc: Exception, *, prompt_param: str = "prompt") -> APIError:
-    """The APIError for an exception `Engine.submit` raised; `prompt_param` renames the prompt field (chat)."""
+    """The APIError for what `Engine.submit` raised; `prompt_param` renames the prompt field (chat)."""
     if isinstance(exc, RequestError):
         param = prompt_param if exc.param == "prompt" else exc.param
         return APIError(400, str(exc), param=param, code=exc.code)
@@ -116,7 +118,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers))
+        error = APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers)
+        return error_response(error)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

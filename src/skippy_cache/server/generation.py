@@ -57,7 +57,8 @@ class Generation:
             tokens = list(body.prompt)
         max_tokens = body.max_tokens_or_default()
         run = self._submit(body, tokens, max_tokens, prompt_param="prompt")
-        return await self._respond(request, run, body, CompletionFormat(self.model_id, self.system_fingerprint))
+        fmt = CompletionFormat(self.model_id, self.system_fingerprint)
+        return await self._respond(request, run, body, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
@@ -110,9 +111,8 @@ class Generation:
         # once the response is complete (the server then reports a disconnect).
         watcher = asyncio.create_task(cancel_on_disconnect(request, run))
         if body.stream:
-            return StreamingResponse(
-                _sse(run, fmt, body.include_usage, watcher), media_type="text/event-stream", headers=SSE_HEADERS
-            )
+            events = _sse(run, fmt, body.include_usage, watcher)
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             done = await run.result()
         finally:

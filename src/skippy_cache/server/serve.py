@@ -7,11 +7,13 @@ closes the engine with drain, and the process exits 0.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 
 import uvicorn
 
+from skippy_cache.config import MIN_CTX_FOR_CELL_CAP
 from skippy_cache.runtime.engine import Engine
 from skippy_cache.server.app import create_app
 from skippy_cache.server.settings import ServerSettings
@@ -22,9 +24,9 @@ log = logging.getLogger("skippy_cache.server")
 def startup_report(engine: Engine, settings: ServerSettings) -> str:
     """The one block logged at start: model, pool, derived cache budgets."""
     info, budgets, policy, cfg = engine.info, engine.cache_config, engine.policy, engine.config
-    token_cap = (
-        f"{budgets.max_resident_tokens} tokens" if budgets.max_resident_tokens else f"none (ctx {engine.n_ctx} < 8192)"
-    )
+    token_cap = f"{budgets.max_resident_tokens} tokens" if budgets.max_resident_tokens else "none"
+    if not budgets.max_resident_tokens:
+        token_cap += f" (ctx {engine.n_ctx} < {MIN_CTX_FOR_CELL_CAP})"
     mode = engine.mode.value
     if cfg.cache.mode.value != mode:
         mode += f" (configured {cfg.cache.mode.value})"
@@ -40,8 +42,9 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
         f"deterministic {'on' if cfg.deterministic else 'off'}",
         f"  cache     mode {mode}, max entries {budgets.max_entries}, token cap {token_cap}, "
         f"byte cap {budgets.max_bytes or 'none'}",
-        f"            reserved sequences 0..{budgets.reserved_seq_count - 1} (lanes), min_tokens {policy.min_tokens}, "
-        f"stride {policy.stride_tokens}, record limit {policy.record_limit or 'all'}",
+        f"            reserved sequences 0..{budgets.reserved_seq_count - 1} (lanes), "
+        f"min_tokens {policy.min_tokens}, stride {policy.stride_tokens}, "
+        f"record limit {policy.record_limit or 'all'}",
         f"  requests  queue {cfg.max_queue}, chat max_tokens default {settings.default_max_tokens}, "
         f"model names {info.model_id!r} or {settings.model_alias!r}, {auth}",
         f"  listen    http://{settings.host}:{settings.port}",
@@ -56,6 +59,8 @@ def serve(settings: ServerSettings) -> int:
     engine = Engine(settings.engine_config())
     try:
         log.info("%s", startup_report(engine, settings))
+        if not _is_loopback(settings.host) and not settings.api_key:
+            log.warning("listening on %s without --api-key: anyone who can reach it may use it", settings.host)
         app = create_app(engine, settings, owns_engine=True)
         config = uvicorn.Config(
             app,
@@ -82,6 +87,13 @@ def serve(settings: ServerSettings) -> int:
     finally:
         # Normally closed (drained) by the app's lifespan already; this covers a failed start.
         engine.close(drain=False, timeout=10.0)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _ignore(_sig: int, _frame: object) -> None:

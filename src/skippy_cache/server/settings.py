@@ -169,11 +169,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
            "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
     Option("deterministic", "--deterministic", "SKIPPY_DETERMINISTIC", "deterministic", _bool,
-           "bit-exact mode: one thread, prefill chunks never share a batch, so output does not "
-           "depend on other traffic or on cache hits (slower under load; default off)", is_bool=True),
+           "bit-exact mode: output does not depend on other traffic or on cache hits (one thread, "
+           "requests run one at a time: slower under load; default off)", is_bool=True),
     Option("default_max_tokens", "--default-max-tokens", "SKIPPY_DEFAULT_MAX_TOKENS", "default_max_tokens",
-           _int(1), f"chat completion cap when a request sets no max_tokens (default {DEFAULT_CHAT_MAX_TOKENS})",
-           "N"),
+           _int(1), f"max_tokens of a chat request that sets none (default {DEFAULT_CHAT_MAX_TOKENS}, "
+           "or what is left of the context if less)", "N"),
     Option("model_alias", "--model-alias", "SKIPPY_MODEL_ALIAS", "model_alias", _str,
            f"a second name requests may use for the model (default {DEFAULT_MODEL_ALIAS!r})", "NAME"),
     Option("log_level", "--log-level", "SKIPPY_LOG_LEVEL", "log_level", _log_level,

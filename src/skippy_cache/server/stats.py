@@ -1,4 +1,8 @@
-"""Engine snapshots for /health, /metrics and /v1/cache."""
+"""Engine snapshots for /health, /metrics and /v1/cache.
+
+`Engine.stats()` returns the snapshot the engine thread published after its
+last step, so it is safe and cheap from any thread.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +10,9 @@ import dataclasses
 
 from skippy_cache.runtime.engine import Engine, EngineStats
 
-_SNAPSHOT_ATTEMPTS = 5
-
 
 def engine_stats(engine: Engine) -> EngineStats:
-    """`engine.stats()` from an HTTP thread.
-
-    The snapshot reads the cache's dict while the engine thread may be
-    changing it (`ResidentPrefixCache.stats` iterates its entries to count the
-    borrowed ones), which can raise "dictionary changed size during
-    iteration". That is a torn read, not a fault: read again.
-    """
-    for attempt in range(_SNAPSHOT_ATTEMPTS):
-        try:
-            return engine.stats()
-        except RuntimeError:
-            if attempt == _SNAPSHOT_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
+    return engine.stats()
 
 
 def cache_report(engine: Engine) -> dict:
@@ -31,7 +20,6 @@ def cache_report(engine: Engine) -> dict:
     s = engine_stats(engine)
     budgets = engine.cache_config
     policy = engine.policy
-    cache = dataclasses.asdict(s.cache)
     return {
         "mode": s.cache_mode,
         "budgets": {
@@ -45,7 +33,7 @@ def cache_report(engine: Engine) -> dict:
             "record_limit": policy.record_limit,
             "grid_tokens": policy.grid_tokens,
         },
-        "cache": cache,
+        "cache": dataclasses.asdict(s.cache),
         "pool": {
             "n_ctx": s.n_ctx,
             "used_cells": s.used_cells,
