@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from skippy_cache.bench.cli import main as bench_main
         except ImportError as exc:
-            parser.exit(1, f"skippy-cache bench: error: {exc}; install the extra: pip install -e '.[bench]'\n")
+            parser.exit(1, f"skippy-cache bench: error: {exc}; needs the extra: pip install -e '.[bench]'\n")
         return bench_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

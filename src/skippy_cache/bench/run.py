@@ -1,0 +1,156 @@
+"""One bench run's shared state: the sizes, the targets, the client, and every measurement taken.
+
+The workloads (workloads.py) only call `Run.request`, which sends one streamed request, records
+its `Measurement` whatever happened, and advances the progress bar.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from skippy_cache.bench.client import BenchClient, Reply
+from skippy_cache.bench.targets import Target
+
+WORKLOADS = ("warm", "tenants", "chat", "zero")
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """The issue's workload parameters (`FULL`) or a smoke run's (`QUICK`). Token sizes are aims."""
+
+    warm_prompt_tokens: tuple[int, ...] = (128, 2000)
+    warm_repeats: int = 10
+    tenants: int = 8
+    tenant_system_tokens: int = 600
+    tenant_question_words: int = 12
+    tenant_rounds: int = 3
+    concurrency: int = 4
+    chat_conversations: int = 4
+    chat_turns: int = 6
+    chat_system_tokens: int = 150
+    chat_user_tokens: int = 60
+    chat_max_tokens: int = 24
+    zero_prompts: int = 16  # per block, per target
+    zero_blocks: int = 2  # blocks alternate target order (ABBA) so drift hits each target alike
+    zero_prompt_tokens: int = 512
+    zero_max_tokens: int = 16
+
+
+FULL = Sizes()
+QUICK = Sizes(
+    warm_prompt_tokens=(128, 256),
+    warm_repeats=3,
+    tenants=3,
+    tenant_system_tokens=160,
+    tenant_rounds=2,
+    concurrency=2,
+    chat_conversations=2,
+    chat_turns=3,
+    chat_system_tokens=60,
+    chat_user_tokens=20,
+    chat_max_tokens=4,
+    zero_prompts=3,
+    zero_blocks=2,
+    zero_prompt_tokens=96,
+    zero_max_tokens=4,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One request as sent and as answered; `group` is the figure it feeds ("P=2000 warm", "turn 3")."""
+
+    workload: str
+    target: str
+    group: str
+    seq: int
+    ok: bool
+    ttft_ms: float | None
+    total_ms: float
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+    error: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Wall time of a batch of requests on one target (throughput figures divide by it)."""
+
+    workload: str
+    target: str
+    group: str
+    wall_ms: float
+    requests: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class Run:
+    client: BenchClient
+    targets: list[Target]
+    sizes: Sizes
+    seed: int
+    #: Set by `calibrate` before any workload: prompt tokens per generated word.
+    tokens_per_word: float = 1.1
+    #: Set by `calibrate`: what it measured, for the JSON.
+    calibration: dict[str, object] = field(default_factory=dict)
+    #: Called after each request with (workload, target label, reply).
+    on_request: Callable[[str, str, Reply], None] = lambda *_: None
+    measurements: list[Measurement] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)
+
+    def targets_for(self, workload: str) -> list[Target]:
+        """The cache-off twin exists only to measure the cache's overhead: the zero workload."""
+        return [t for t in self.targets if workload == "zero" or t.kind != "skippy-cache-off"]
+
+    async def request(
+        self, workload: str, target: Target, group: str, path: str, body: dict[str, Any]
+    ) -> Reply:
+        if target.model_id is not None:
+            body = {"model": target.model_id, **body}
+        reply = await self.client.stream(target.url, path, body)
+        self.measurements.append(
+            Measurement(
+                workload,
+                target.label,
+                group,
+                len(self.measurements),
+                reply.ok,
+                reply.ttft_ms,
+                reply.total_ms,
+                reply.prompt_tokens,
+                reply.cached_tokens,
+                reply.completion_tokens,
+                reply.error,
+            )
+        )
+        self.on_request(workload, target.label, reply)
+        return reply
+
+    def span(self, workload: str, target: Target, group: str, started: float, requests: int) -> None:
+        """Record the wall time since `started` (a `time.perf_counter()` value)."""
+        self.spans.append(
+            Span(workload, target.label, group, (time.perf_counter() - started) * 1000, requests)
+        )
+
+
+def planned_requests(workload: str, sizes: Sizes, n_targets: int) -> int:
+    """Requests a workload sends to one target (the progress bar's total)."""
+    if workload == "warm":
+        return len(sizes.warm_prompt_tokens) * (1 + sizes.warm_repeats) * n_targets
+    if workload == "tenants":
+        return sizes.tenants * sizes.tenant_rounds * n_targets
+    if workload == "chat":
+        return sizes.chat_conversations * sizes.chat_turns * n_targets
+    if workload == "zero":
+        return sizes.zero_prompts * sizes.zero_blocks * n_targets
+    raise ValueError(f"unknown workload {workload!r} (known: {', '.join(WORKLOADS)})")

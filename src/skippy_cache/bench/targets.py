@@ -1,0 +1,222 @@
+"""The servers a run measures: ones the bench starts (skippy-cache, its cache-off twin, the
+llama-cpp-python peer) and ones already running (`--url LABEL=URL`).
+
+A server that fails to start is not fatal: its `Target` carries the error and every request to
+it fails fast, so the report shows it as failures instead of the run stopping.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from skippy_cache.runtime.engine import available_cores
+
+#: Labels of the servers the bench starts; "skippy-cache" is the reference of every ratio.
+SKIPPY = "skippy-cache"
+SKIPPY_OFF = "skippy-cache (cache off)"
+PEERS = {
+    # llama-cpp-python's server as shipped, except: threads match skippy-cache's (its default
+    # generation thread count is cores // 2), and `--interrupt_requests False`: by default a
+    # request arriving while another streams cuts that stream short after its next chunk, which
+    # under C = 4 clients ends chat streams before their first content token.
+    "llama-cpp-python": [],
+    # The same with its RAM prompt cache on: it saves the whole state after each request and
+    # restores the longest cached prefix, the nearest thing it has to skippy-cache's reuse.
+    "llama-cpp-python-cache": ["--cache", "True"],
+}
+STARTUP_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """What to measure: `kind` is "skippy-cache", "skippy-cache-off", a PEERS key, or "url"."""
+
+    label: str
+    kind: str
+    url: str | None = None
+
+
+@dataclass(slots=True)
+class Target:
+    """A server being measured. `error` set: it never became ready (its requests fail fast)."""
+
+    label: str
+    kind: str
+    url: str
+    command: list[str] | None = None
+    log_path: Path | None = None
+    #: Set once, by `running_targets`: why the server is not answering (None: it answered).
+    error: str | None = None
+    #: The first id of its /v1/models, sent as each request's "model" (None: send none).
+    model_id: str | None = None
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "label": self.label,
+            "kind": self.kind,
+            "url": self.url,
+            "command": self.command,
+            "log": str(self.log_path) if self.log_path else None,
+            "error": self.error,
+            "model_id": self.model_id,
+        }
+
+
+def parse_url_option(value: str) -> TargetSpec:
+    """`LABEL=URL` or a bare URL (labelled by its host:port)."""
+    label, sep, url = value.partition("=")
+    if not sep or label.startswith(("http://", "https://")):
+        url, label = value, value.split("://", 1)[-1].rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--url {value!r}: expected LABEL=http://HOST:PORT")
+    return TargetSpec(label=label.strip(), kind="url", url=url.rstrip("/").removesuffix("/v1"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(kind: str, port: int, model: Path, ctx_size: int) -> list[str]:
+    if kind in ("skippy-cache", "skippy-cache-off"):
+        cmd = [
+            sys.executable,
+            "-m",
+            "skippy_cache",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--ctx-size",
+            str(ctx_size),
+            "--model",
+            str(model),
+            "--log-level",
+            "warning",
+        ]
+        return cmd + (["--cache-mode", "off"] if kind == "skippy-cache-off" else [])
+    threads = str(available_cores())
+    return [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model),
+        "--n_ctx",
+        str(ctx_size),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_threads",
+        threads,
+        "--n_threads_batch",
+        threads,
+        "--interrupt_requests",
+        "False",
+        "--verbose",
+        "False",
+        *PEERS[kind],
+    ]
+
+
+def _clean_env() -> dict[str, str]:
+    """No SKIPPY_* from the user's shell may change the servers the bench compares."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SKIPPY_")}
+
+
+def _tail(path: Path | None, lines: int = 8) -> str:
+    if path is None or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _wait_ready(target: Target, deadline: float) -> str | None:
+    """Poll until the server answers; the error text if it exits or the deadline passes first.
+
+    A `--url` server is asked once: it is already running or it is not.
+    """
+    # skippy-cache answers /health once its engine is up; llama-cpp-python loads its model before
+    # it listens, so /v1/models answering means ready (and every OpenAI-compatible server has it).
+    path = "/health" if target.kind.startswith("skippy") else "/v1/models"
+    while time.monotonic() < deadline:
+        if target.process is not None and target.process.poll() is not None:
+            return f"exited with code {target.process.returncode}: {_tail(target.log_path)}"
+        try:
+            if httpx.get(target.url + path, timeout=5).status_code == 200:
+                return None
+        except httpx.HTTPError as exc:
+            if target.process is None:
+                return f"{type(exc).__name__}: {exc}"
+        if target.process is None:
+            return f"GET {path} did not answer 200"
+        time.sleep(0.25)
+    return f"not ready after {STARTUP_TIMEOUT_S:g} s: {_tail(target.log_path)}"
+
+
+def _model_id(url: str) -> str | None:
+    try:
+        data = httpx.get(url + "/v1/models", timeout=10).json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return data[0].get("id") if data and isinstance(data[0], dict) else None
+
+
+def _stop(target: Target) -> None:
+    proc = target.process
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+
+
+@contextmanager
+def running_targets(
+    specs: list[TargetSpec], *, model: Path, ctx_size: int, log_dir: Path
+) -> Iterator[list[Target]]:
+    """Start every server the specs ask for (all at once, then wait for each), stop them on exit."""
+    targets: list[Target] = []
+    try:
+        for spec in specs:
+            if spec.kind == "url":
+                assert spec.url, f"url target {spec.label!r} has no URL (parse_url_option builds these)"
+                targets.append(Target(spec.label, spec.kind, spec.url))
+                continue
+            port = free_port()
+            command = server_command(spec.kind, port, model, ctx_size)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = log_dir / f"{spec.kind}.log"
+            with log_path.open("wb") as log:
+                proc = subprocess.Popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_clean_env()
+                )
+            targets.append(
+                Target(spec.label, spec.kind, f"http://127.0.0.1:{port}", command, log_path, process=proc)
+            )
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for target in targets:
+            target.error = _wait_ready(target, deadline)
+            if target.error is None:
+                target.model_id = _model_id(target.url)
+        yield targets
+    finally:
+        for target in targets:
+            _stop(target)

@@ -1,0 +1,158 @@
+"""The four workloads of issue 5, each a coroutine over a `Run`'s targets.
+
+Every request streams, sets temperature 0, and is recorded by `Run.request` whether it succeeds
+or not; a target that is down costs one failed request per planned request, never a crash.
+Prompt text depends only on the run's seed, so every target sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Iterable
+
+from skippy_cache.bench.run import Run
+from skippy_cache.bench.targets import Target
+from skippy_cache.bench.text import WORDS, passage, words_for
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+CALIBRATION_WORDS = 400
+
+
+async def _bounded(limit: int, jobs: Iterable[Awaitable[object]]) -> None:
+    """Run `jobs` with at most `limit` in flight (the C concurrent clients)."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(job: Awaitable[object]) -> None:
+        async with gate:
+            await job
+
+    await asyncio.gather(*(one(job) for job in jobs))
+
+
+async def calibrate(run: Run) -> dict[str, object]:
+    """Measure prompt tokens per word on the first target whose usage says so; warm every target.
+
+    The first `llama_decode` of a fresh context is slow (seconds), so each target answers one
+    small request before anything is timed. The calibration passage has its own seed: no
+    workload prompt shares its prefix.
+    """
+    text = passage(f"{run.seed}:calibrate", CALIBRATION_WORDS)
+    measured: dict[str, object] = {"words": CALIBRATION_WORDS, "tokens": None, "target": None}
+    for target in run.targets:
+        if target.error is not None:
+            continue
+        body = {"prompt": text if measured["tokens"] is None else "Hello", "max_tokens": 1, "temperature": 0}
+        if target.model_id is not None:
+            body["model"] = target.model_id
+        reply = await run.client.stream(target.url, COMPLETIONS, body)
+        if measured["tokens"] is None and reply.ok and reply.prompt_tokens:
+            measured.update(tokens=reply.prompt_tokens, target=target.label)
+            run.tokens_per_word = reply.prompt_tokens / CALIBRATION_WORDS
+    measured["tokens_per_word"] = run.tokens_per_word
+    run.calibration = measured
+    return measured
+
+
+async def warm(run: Run) -> None:
+    """One prompt of P tokens sent cold once, then `warm_repeats` times; max_tokens 1."""
+    for size in run.sizes.warm_prompt_tokens:
+        prompt = passage(f"{run.seed}:warm:{size}", words_for(size, run.tokens_per_word))
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        for target in run.targets_for("warm"):
+            await run.request("warm", target, f"P={size} cold", COMPLETIONS, body)
+            for _ in range(run.sizes.warm_repeats):
+                await run.request("warm", target, f"P={size} warm", COMPLETIONS, body)
+
+
+async def tenants(run: Run) -> None:
+    """K system prompts, each with a distinct short question, R rounds round-robin, C clients.
+
+    Each round ends before the next starts, so "round 1" is every tenant's first request and
+    "later rounds" are repeats of a system prompt the server has seen.
+    """
+    s = run.sizes
+    systems = [
+        passage(f"{run.seed}:tenant:{k}", words_for(s.tenant_system_tokens, run.tokens_per_word))
+        for k in range(s.tenants)
+    ]
+    for target in run.targets_for("tenants"):
+        started = time.perf_counter()
+        for r in range(s.tenant_rounds):
+            group = "round 1" if r == 0 else "later rounds"
+            jobs = []
+            for k, system in enumerate(systems):
+                question = passage(f"{run.seed}:question:{k}:{r}", s.tenant_question_words).rstrip(".") + "?"
+                body = {
+                    "messages": [
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": question},
+                    ],
+                    "max_tokens": 1,
+                    "temperature": 0,
+                }
+                jobs.append(run.request("tenants", target, group, CHAT, body))
+            await _bounded(s.concurrency, jobs)
+        run.span("tenants", target, "all rounds", started, s.tenants * s.tenant_rounds)
+
+
+async def _conversation(run: Run, target: Target, c: int) -> None:
+    s = run.sizes
+    system = passage(f"{run.seed}:chat-system:{c}", words_for(s.chat_system_tokens, run.tokens_per_word))
+    messages = [{"role": "system", "content": system}]
+    for turn in range(s.chat_turns):
+        user = passage(f"{run.seed}:chat:{c}:{turn}", words_for(s.chat_user_tokens, run.tokens_per_word))
+        messages.append({"role": "user", "content": user + " What do you make of this?"})
+        body = {"messages": list(messages), "max_tokens": s.chat_max_tokens, "temperature": 0}
+        reply = await run.request("chat", target, f"turn {turn + 1}", CHAT, body)
+        # A failed turn still leaves a turn in the history, so the next turn is the same size
+        # class and is measured (and counted) rather than skipped.
+        messages.append(
+            {"role": "assistant", "content": reply.text if reply.ok and reply.text else "(no reply)"}
+        )
+
+
+async def chat(run: Run) -> None:
+    """Conversations of several turns, each turn resending the whole history; C at once."""
+    s = run.sizes
+    for target in run.targets_for("chat"):
+        started = time.perf_counter()
+        await _bounded(s.concurrency, (_conversation(run, target, c) for c in range(s.chat_conversations)))
+        run.span("chat", target, "all turns", started, s.chat_conversations * s.chat_turns)
+
+
+async def zero(run: Run) -> None:
+    """Distinct prompts with no shared prefix (each opens on its own word), C clients.
+
+    Blocks alternate the target order (A B, then B A, ...): on a shared 2-core machine the
+    background load drifts, and alternating spreads that drift over the targets alike.
+    """
+    s = run.sizes
+    targets = run.targets_for("zero")
+    first_words = list(WORDS)
+    random.Random(f"skippy-bench:{run.seed}:zero-first").shuffle(first_words)
+    n_words = words_for(s.zero_prompt_tokens, run.tokens_per_word)
+    for block in range(s.zero_blocks):
+        ids = range(block * s.zero_prompts, (block + 1) * s.zero_prompts)
+        prompts = [
+            passage(f"{run.seed}:zero:{i}", n_words, first=first_words[i % len(first_words)]) for i in ids
+        ]
+        for target in targets if block % 2 == 0 else reversed(targets):
+            started = time.perf_counter()
+            jobs = (
+                run.request(
+                    "zero",
+                    target,
+                    "zero",
+                    COMPLETIONS,
+                    {"prompt": p, "max_tokens": s.zero_max_tokens, "temperature": 0},
+                )
+                for p in prompts
+            )
+            await _bounded(s.concurrency, jobs)
+            run.span("zero", target, f"block {block + 1}", started, len(prompts))
+
+
+WORKLOAD_FUNCTIONS = {"warm": warm, "tenants": tenants, "chat": chat, "zero": zero}
