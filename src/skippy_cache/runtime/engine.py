@@ -32,7 +32,7 @@ from skippy_cache.config import (
     StageKvCacheConfig,
 )
 from skippy_cache.family import resolve_mode
-from skippy_cache.identity import IdentityKey, prefix_identities
+from skippy_cache.identity import IdentityKey, PrefixIdentity, prefix_identities, prefix_identity
 from skippy_cache.prefill import next_chunk_end
 from skippy_cache.resident import ResidentCacheStats, ResidentPrefixCache
 from skippy_cache.runtime.gguf_info import GgufInfo, default_model_path, read_gguf_info
@@ -170,6 +170,10 @@ class Engine:
         self.identity_key = IdentityKey.from_stage(
             self.stage, model_digest=self.info.digest, runtime_abi=runtime_abi()
         )
+        # Whole-prompt entries hold the last prompt token's cell too, decoded on
+        # its own step: a separate key keeps a longer prompt from reusing that
+        # cell as if it had been computed inside a prefill chunk.
+        self._whole_prompt_key = replace(self.identity_key, extra=(("entry", "whole-prompt"),))
         self._batch = Batch(config.n_batch)
         self._free_seq_ids = list(range(config.lanes - 1, -1, -1))
         #: Deterministic mode's pad sequence: the first spare id past the lanes.
@@ -432,11 +436,16 @@ class Engine:
         records = (
             self.policy.record_candidate_token_counts(prefill_end) if self.mode.records and request.record else []
         )
+        whole = self._whole_prompt_identity(request)
         if self.config.deterministic:
             # A hit must end on the alignment grid so the lane's own cells
             # start a fresh aligned run (see placement.py).
             lookups = [n for n in lookups if n % self.policy.grid_tokens == 0]
             records = [n for n in records if n % self.policy.grid_tokens == 0]
+        elif whole is not None and self.mode.records and request.record:
+            # The whole-prompt entry (recorded after the last token) serves
+            # every exact repeat the prefill-length entry would have served.
+            records = [n for n in records if n != prefill_end]
         key = self.identity_key.with_namespace(request.namespace)
         identities = prefix_identities(key, request.tokens[:prefill_end], set(lookups) | set(records))
         lane = Lane(
@@ -449,14 +458,37 @@ class Engine:
             identities=identities,
             record_lengths=records,
             t_submit=waiting.t_submit,
+            whole_prompt=whole if self.mode.records and request.record else None,
         )
         self._lanes.append(lane)
+        if whole is not None and self.mode.looks_up and request.lookup:
+            logits = self.pool.attach_prompt(seq_id, whole)
+            if logits is not None:
+                # An exact repeat: every cell is resident and the first token
+                # comes from the logits the cold run's last decode produced.
+                lane.n_past = lane.cached_tokens = len(request.tokens)
+                lane.identities, lane.record_lengths, lane.whole_prompt = {}, [], None
+                lane.t_first = time.perf_counter()
+                if request.keep_first_logits:
+                    lane.first_logits = logits.copy()
+                self._take_token(lane, lane.sampler.sample_logits(logits))
+                return
         if lookups:
             hit = self.pool.attach_longest(seq_id, identities, lookups)
             if hit is not None:
                 lane.n_past = lane.cached_tokens = hit.token_count
         if lane.n_past >= prefill_end:
             self._prefill_done(lane)
+
+    def _whole_prompt_identity(self, request: GenerationRequest) -> PrefixIdentity | None:
+        """Identity of the whole prompt with its first-token logits (fast mode only).
+
+        Deterministic mode starts a lane's own cells on the grid, which a
+        whole-prompt entry (ending anywhere) cannot give.
+        """
+        if self.config.deterministic or len(request.tokens) < max(self.policy.min_tokens, 1):
+            return None
+        return prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
 
     def _plan(self) -> list[_Planned]:
         batch = self._batch
@@ -504,9 +536,16 @@ class Engine:
             return
         if lane.t_first == 0.0:
             lane.t_first = time.perf_counter()
-            if lane.request.keep_first_logits:
-                lane.first_logits = self.ctx.logits(item.row)
-        token = lane.sampler.sample(self.ctx, item.row)
+            if lane.request.keep_first_logits or lane.whole_prompt is not None:
+                logits = self.ctx.logits(item.row)
+                lane.first_logits = logits if lane.request.keep_first_logits else None
+                if lane.whole_prompt is not None:
+                    self.pool.record_prompt(lane.seq_id, lane.whole_prompt, logits)
+                    lane.whole_prompt = None
+        self._take_token(lane, lane.sampler.sample(self.ctx, item.row))
+
+    def _take_token(self, lane: Lane, token: int) -> None:
+        """A sampled token: finish on EOG, stop string or max_tokens, else feed it back next step."""
         if self.model.is_eog(token):
             self._finish(lane, FinishReason.STOP)
             return

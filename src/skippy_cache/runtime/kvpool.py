@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from skippy_cache.cells import CellLedger
-from skippy_cache.identity import PrefixIdentity
+from skippy_cache.identity import PageId, PrefixIdentity
 from skippy_cache.placement import CellMap
 from skippy_cache.resident import ResidentCacheError, ResidentEviction, ResidentPrefixCache
 from skippy_cache.runtime.native import Batch, NativeContext
@@ -52,6 +54,8 @@ class KvPool:
         self.cells: CellMap | None = CellMap(ctx.n_ctx) if mirror_cells else None
         #: Deterministic mode: the cell of position 0 for each lane (position p sits at base + p).
         self._bases: dict[int, int] = {}
+        #: First-token logits of whole-prompt entries, dropped with their entry.
+        self._logits: dict[PageId, np.ndarray] = {}
         self.bytes_per_token = bytes_per_token
         self.counters = PoolCounters()
 
@@ -157,6 +161,40 @@ class KvPool:
             saved += 1
         return saved
 
+    def attach_prompt(self, lane_seq: int, prompt: PrefixIdentity) -> np.ndarray | None:
+        """A whole-prompt entry onto an empty lane: its cells and the logits its last token gave."""
+        self.counters.lookups += 1
+        hit = self.cache.acquire(prompt.page_id)
+        if hit is None:
+            return None
+        try:
+            self._seq_cp(hit.seq_id, lane_seq, prompt.token_count)
+        finally:
+            self.cache.release(prompt.page_id)
+        self.counters.hits += 1
+        self.counters.hit_tokens += prompt.token_count
+        return self._logits[prompt.page_id]
+
+    def record_prompt(self, lane_seq: int, prompt: PrefixIdentity, logits: np.ndarray) -> bool:
+        """Record a lane's whole prompt (every cell, the last token's too) with its first-token logits."""
+        n = prompt.token_count
+        if n < self.cache.config.min_tokens:
+            return False
+        nbytes = n * self.bytes_per_token + logits.nbytes
+        try:
+            allocation = self.cache.allocate_for_record(prompt.page_id, n, nbytes, self._drop)
+        except ResidentCacheError:
+            self.counters.record_skips += 1
+            return False
+        self.counters.budget_evictions += len(allocation.evictions)
+        if not allocation.should_save:
+            return False
+        self._seq_cp(lane_seq, allocation.seq_id, n)
+        self._logits[prompt.page_id] = logits
+        self.cache.commit_record(prompt.page_id, allocation.seq_id, n, nbytes)
+        self.counters.records += 1
+        return True
+
     def make_room(self, cells: int) -> bool:
         """Evict LRU entries until `cells` are free; False if the cache alone cannot make them."""
         while self.ledger.free_cells < cells:
@@ -170,6 +208,7 @@ class KvPool:
 
     def _drop(self, eviction: ResidentEviction) -> None:
         self._seq_rm(eviction.seq_id)
+        self._logits.pop(eviction.page_id, None)
 
     def _seq_cp(self, src: int, dst: int, n: int) -> None:
         self.ctx.seq_cp(src, dst, 0, n)

@@ -46,6 +46,8 @@ class Lane:
     next_token: int = -1
     generated: list[int] = field(default_factory=list)
     first_logits: np.ndarray | None = None
+    #: Recorded with its first-token logits right after the last prompt token's decode.
+    whole_prompt: PrefixIdentity | None = None
 
     @property
     def request(self) -> GenerationRequest:

@@ -252,6 +252,9 @@ class SamplingParams:
     seed: int | None = None
 
 
+#: Memory layout of `llama_token_data` (id, logit, p).
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+
 #: llama.cpp's "pick a random seed" value.
 _DEFAULT_SEED = 0xFFFFFFFF
 
@@ -276,7 +279,24 @@ class Sampler:
         self.ptr = chain
 
     def sample(self, ctx: NativeContext, row: int) -> int:
-        token = int(ll.llama_sampler_sample(self.ptr, ctx.ptr, row))
+        """Sample from batch row `row`'s logits and accept the token (`llama_sampler_sample`)."""
+        return int(ll.llama_sampler_sample(self.ptr, ctx.ptr, row))
+
+    def sample_logits(self, logits: np.ndarray) -> int:
+        """What `sample` does, on logits kept from an earlier decode: apply the chain, accept."""
+        n = logits.shape[0]
+        data = np.empty(n, dtype=_TOKEN_DATA)
+        data["id"] = np.arange(n, dtype=np.int32)
+        data["logit"] = logits
+        data["p"] = 0.0
+        cur = ll.llama_token_data_array(
+            data=data.ctypes.data_as(ll.llama_token_data_p), size=n, selected=-1, sorted=False
+        )
+        ll.llama_sampler_apply(self.ptr, ctypes.byref(cur))
+        if not 0 <= cur.selected < cur.size:
+            raise NativeError(f"the sampler chain selected no token ({cur.selected})")
+        token = int(cur.data[cur.selected].id)
+        ll.llama_sampler_accept(self.ptr, token)
         return token
 
     def close(self) -> None:
