@@ -4,7 +4,7 @@ A step is schedule -> decode -> post-process:
 - admit waiting requests onto free lanes (FIFO), attaching the longest resident
   prefix to each new lane;
 - build one batch with every decoding lane's next token and prefill chunks
-  (ending on the record grid) of the rest, up to `n_batch` tokens;
+  (ending on the record grid) of the rest, up to `n_batch` tokens (scheduler.py);
 - evict LRU cache entries until the batch's cells are free, then `llama_decode`;
 - sample, stream, record finished prefills into the cache, free finished lanes.
 
@@ -33,7 +33,6 @@ from skippy_cache.config import (
 )
 from skippy_cache.family import resolve_mode
 from skippy_cache.identity import IdentityKey, PrefixIdentity, prefix_identities, prefix_identity
-from skippy_cache.prefill import next_chunk_end
 from skippy_cache.resident import ResidentCacheStats, ResidentPrefixCache
 from skippy_cache.runtime.gguf_info import GgufInfo, default_model_path, read_gguf_info
 from skippy_cache.runtime.kvpool import KvPool, PoolCounters
@@ -53,6 +52,7 @@ from skippy_cache.runtime.requests import (
     RequestStats,
     TokenEvent,
 )
+from skippy_cache.runtime.scheduler import Planned, StepPlanner
 from skippy_cache.runtime.textstream import TextStream
 
 log = logging.getLogger("skippy_cache.engine")
@@ -106,15 +106,6 @@ class EngineStats:
     requests_done: int
     prompt_tokens: int
     cached_tokens: int
-
-
-@dataclass(slots=True)
-class _Planned:
-    lane: Lane
-    p0: int
-    p1: int
-    #: Batch row whose logits are sampled, or -1 for a prefill chunk.
-    row: int
 
 
 @dataclass(slots=True)
@@ -175,6 +166,8 @@ class Engine:
         # cell as if it had been computed inside a prefill chunk.
         self._whole_prompt_key = replace(self.identity_key, extra=(("entry", "whole-prompt"),))
         self._batch = Batch(config.n_batch)
+        self._warm_up()
+        self._planner = StepPlanner(self._batch, self.policy.grid_tokens, deterministic=config.deterministic)
         self._free_seq_ids = list(range(config.lanes - 1, -1, -1))
         #: Deterministic mode's pad sequence: the first spare id past the lanes.
         self._pad_seq = config.lanes
@@ -184,7 +177,6 @@ class Engine:
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self._cv = threading.Condition()
         self._closing = False
-        self._last_step_prefilled = False
         self._steps = 0
         self._decode_failures = 0
         self._requests_done = 0
@@ -197,6 +189,15 @@ class Engine:
         if start:
             self._thread = threading.Thread(target=self._run, name="skippy-engine", daemon=True)
             self._thread.start()
+
+    def _warm_up(self) -> None:
+        """One throwaway decode: a fresh context's first `llama_decode` allocates its
+        compute buffers, which would otherwise land on the first request's TTFT."""
+        batch = Batch(1)
+        batch.add(0, [self.model.bos if self.model.bos >= 0 else 0], 0, True)
+        if self.ctx.decode(batch) != 0:
+            raise RuntimeError("llama_decode failed on a one-token warm-up: the context is unusable")
+        self.ctx.seq_rm(0, -1, -1)
 
     # -- the caller's side ---------------------------------------------------
 
@@ -370,7 +371,7 @@ class Engine:
         """One schedule -> decode -> post-process round; False when there was nothing to do."""
         self._reap_cancelled()
         self._admit()
-        planned = self._plan()
+        planned = self._planner.plan(self._lanes)
         if not planned:
             return False
         self._steps += 1
@@ -490,44 +491,7 @@ class Engine:
             return None
         return prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
 
-    def _plan(self) -> list[_Planned]:
-        batch = self._batch
-        batch.clear()
-        planned: list[_Planned] = []
-        decoding = [lane for lane in self._lanes if lane.phase is not Phase.PREFILL]
-        prefilling = [lane for lane in self._lanes if lane.phase is Phase.PREFILL]
-        grid = self.policy.grid_tokens
-
-        if self.config.deterministic and prefilling and not (decoding and self._last_step_prefilled):
-            # A prefill chunk never shares a decode with other lanes' tokens,
-            # so its floats do not depend on what else is running.
-            # One grid step per chunk: a chunk's size picks the matmul kernel,
-            # so a warm run resuming at any grid length must see exactly the
-            # chunks the cold run saw from there on.
-            lane = prefilling[0]
-            end = next_chunk_end(lane.n_past, lane.prefill_end, min(grid, batch.capacity), grid, must_progress=True)
-            batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, False)
-            planned.append(_Planned(lane, lane.n_past, end, -1))
-            self._last_step_prefilled = True
-            return planned
-
-        for lane in decoding:
-            row = batch.add(lane.seq_id, [lane.next_token], lane.n_past, True)
-            planned.append(_Planned(lane, lane.n_past, lane.n_past + 1, row))
-        self._last_step_prefilled = False
-        if self.config.deterministic:
-            return planned
-        for lane in prefilling:
-            budget = batch.capacity - batch.n_tokens
-            first = not any(p.row < 0 for p in planned)
-            end = next_chunk_end(lane.n_past, lane.prefill_end, budget, grid, must_progress=first)
-            if end > lane.n_past:
-                batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, False)
-                planned.append(_Planned(lane, lane.n_past, end, -1))
-                self._last_step_prefilled = True
-        return planned
-
-    def _after_decode(self, item: _Planned) -> None:
+    def _after_decode(self, item: Planned) -> None:
         lane = item.lane
         lane.n_past = item.p1
         if item.row < 0:
