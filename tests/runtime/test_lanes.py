@@ -77,3 +77,16 @@ def test_request_figures_are_reported(fast_engine):
         assert c.stats.completion_tokens == len(c.tokens)
         assert c.stats.ttft_ms >= c.stats.prefill_ms > 0
     assert second.stats.cached_tokens == 150
+
+
+def test_whole_prompt_hit_samples_like_a_cold_run(fast_engine):
+    # The repeat samples its first token from the kept logits (no decode):
+    # with a seeded chain it must draw exactly what the cold run drew.
+    fast_engine.clear_cache()
+    tokens = make_tokens(fast_engine, 120, seed=73)
+    sampling = SamplingParams(temperature=1.2, top_k=40, top_p=0.9, seed=99)
+    cold = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=12, sampling=sampling))
+    warm = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=12, sampling=sampling))
+    assert cold.stats.cached_tokens == 0
+    assert warm.stats.cached_tokens == len(tokens)
+    assert warm.tokens == cold.tokens
