@@ -200,15 +200,15 @@ class ResidentPrefixCache:
             return RecordAllocation(existing.seq_id, (), should_save=False, reason="exists")
         if page_id in self._pending:
             raise ResidentCacheError(f"{page_id!r} is already being recorded")
-        too_big = (cfg.max_bytes > 0 and estimated_bytes > cfg.max_bytes) or (
-            cfg.max_resident_tokens > 0 and token_count > cfg.max_resident_tokens
-        )
-        if too_big:
+        if self._exceeds(1, token_count, estimated_bytes):
             # Alone over a budget: evicting everything would not make it fit.
             self._uncacheable += 1
             return RecordAllocation(NO_SEQ, (), should_save=False, reason="uncacheable")
 
-        if not self._fits_after_evicting_all(token_count, estimated_bytes):
+        held = [e for e in self._entries.values() if e.borrowed]
+        held_tokens = sum(e.token_count for e in held) + sum(p[1] for p in self._pending.values())
+        held_bytes = sum(e.estimated_bytes for e in held) + sum(p[2] for p in self._pending.values())
+        if self._exceeds(len(held) + len(self._pending) + 1, held_tokens + token_count, held_bytes + estimated_bytes):
             # Checked before evicting anything: evicting entries and then failing
             # would empty the cache for nothing.
             raise ResidentCacheError(
@@ -216,13 +216,11 @@ class ResidentPrefixCache:
                 f"({len(self._entries)} entries, {self._tokens} tokens, {self._bytes} bytes)"
             )
         evictions: list[ResidentEviction] = []
-        while self._over_budget(token_count, estimated_bytes):
+        while self._exceeds(
+            len(self._entries) + len(self._pending) + 1, self._tokens + token_count, self._bytes + estimated_bytes
+        ):
             victim = self._lru_victim()
-            if victim is None:
-                raise ResidentCacheError(
-                    "no releasable entries: every resident entry is borrowed or pending "
-                    f"({len(self._entries)} entries, {self._tokens} tokens, {self._bytes} bytes)"
-                )
+            assert victim is not None, "the held-entries check above should have refused this record"
             evictions.append(self._evict(victim, drop_evicted))
         seq_id = self._take_seq_id()
         self._pending[page_id] = (seq_id, token_count, estimated_bytes)
@@ -285,25 +283,14 @@ class ResidentPrefixCache:
     def _tick(self) -> None:
         self._clock += 1
 
-    def _over_budget(self, token_count: int, estimated_bytes: int) -> bool:
+    def _exceeds(self, entries: int, tokens: int, nbytes: int) -> bool:
+        """Would the cache break a budget holding this many entries, tokens and bytes?"""
         cfg = self.config
-        if len(self._entries) + len(self._pending) + 1 > cfg.max_entries:
-            return True
-        if cfg.max_bytes > 0 and self._bytes + estimated_bytes > cfg.max_bytes:
-            return True
-        return cfg.max_resident_tokens > 0 and self._tokens + token_count > cfg.max_resident_tokens
-
-    def _fits_after_evicting_all(self, token_count: int, estimated_bytes: int) -> bool:
-        cfg = self.config
-        held = [e for e in self._entries.values() if e.borrowed] + [
-            _Entry(seq, tokens, nbytes, 0) for seq, tokens, nbytes in self._pending.values()
-        ]
-        if len(held) + 1 > cfg.max_entries:
-            return False
-        if cfg.max_bytes > 0 and sum(e.estimated_bytes for e in held) + estimated_bytes > cfg.max_bytes:
-            return False
-        tokens = sum(e.token_count for e in held) + token_count
-        return not (cfg.max_resident_tokens > 0 and tokens > cfg.max_resident_tokens)
+        return (
+            entries > cfg.max_entries
+            or (cfg.max_bytes > 0 and nbytes > cfg.max_bytes)
+            or (cfg.max_resident_tokens > 0 and tokens > cfg.max_resident_tokens)
+        )
 
     def _lru_victim(self) -> PageId | None:
         victim: PageId | None = None

@@ -462,22 +462,24 @@ class Engine:
             whole_prompt=whole if self.mode.records and request.record else None,
         )
         self._lanes.append(lane)
+        candidates = [identities[n] for n in lookups]
         if whole is not None and self.mode.looks_up and request.lookup:
-            logits = self.pool.attach_prompt(seq_id, whole)
-            if logits is not None:
-                # An exact repeat: every cell is resident and the first token
-                # comes from the logits the cold run's last decode produced.
-                lane.n_past = lane.cached_tokens = len(request.tokens)
-                lane.identities, lane.record_lengths, lane.whole_prompt = {}, [], None
-                lane.t_first = time.perf_counter()
-                if request.keep_first_logits:
-                    lane.first_logits = logits.copy()
-                self._take_token(lane, lane.sampler.sample_logits(logits))
-                return
-        if lookups:
-            hit = self.pool.attach_longest(seq_id, identities, lookups)
-            if hit is not None:
-                lane.n_past = lane.cached_tokens = hit.token_count
+            candidates.insert(0, whole)
+        hit = self.pool.attach(seq_id, candidates) if candidates else None
+        if hit is not None and hit is whole:
+            # An exact repeat: every cell is resident and the first token
+            # comes from the logits the cold run's last decode produced.
+            logits = self.pool.prompt_logits(whole)
+            assert logits is not None, "a resident whole-prompt entry lost its logits"
+            lane.n_past = lane.cached_tokens = len(request.tokens)
+            lane.identities, lane.record_lengths, lane.whole_prompt = {}, [], None
+            lane.t_first = time.perf_counter()
+            if request.keep_first_logits:
+                lane.first_logits = logits.copy()
+            self._take_token(lane, lane.sampler.sample_logits(logits))
+            return
+        if hit is not None:
+            lane.n_past = lane.cached_tokens = hit.token_count
         if lane.n_past >= prefill_end:
             self._prefill_done(lane)
 
@@ -487,7 +489,8 @@ class Engine:
         Deterministic mode starts a lane's own cells on the grid, which a
         whole-prompt entry (ending anywhere) cannot give.
         """
-        if self.config.deterministic or len(request.tokens) < max(self.policy.min_tokens, 1):
+        wanted = (self.mode.looks_up and request.lookup) or (self.mode.records and request.record)
+        if not wanted or self.config.deterministic or len(request.tokens) < max(self.policy.min_tokens, 1):
             return None
         return prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
 
@@ -504,7 +507,7 @@ class Engine:
                 logits = self.ctx.logits(item.row)
                 lane.first_logits = logits if lane.request.keep_first_logits else None
                 if lane.whole_prompt is not None:
-                    self.pool.record_prompt(lane.seq_id, lane.whole_prompt, logits)
+                    self.pool.record(lane.seq_id, lane.whole_prompt, logits)
                     lane.whole_prompt = None
         self._take_token(lane, lane.sampler.sample(self.ctx, item.row))
 
@@ -525,8 +528,8 @@ class Engine:
             lane.next_token = token
 
     def _prefill_done(self, lane: Lane) -> None:
-        if lane.record_lengths:
-            self.pool.record(lane.seq_id, lane.identities, lane.record_lengths)
+        for n in lane.record_lengths:
+            self.pool.record(lane.seq_id, lane.identities[n])
         lane.identities = {}
         lane.phase = Phase.LAST_TOKEN
         lane.next_token = lane.prompt[-1]

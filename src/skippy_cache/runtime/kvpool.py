@@ -8,7 +8,6 @@ decode instead of letting it fail for want of a slot.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,12 +17,6 @@ from skippy_cache.identity import PageId, PrefixIdentity
 from skippy_cache.placement import CellMap
 from skippy_cache.resident import ResidentCacheError, ResidentEviction, ResidentPrefixCache
 from skippy_cache.runtime.native import Batch, NativeContext
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
-    token_count: int
-    page_id: str
 
 
 @dataclass(slots=True)
@@ -116,73 +109,42 @@ class KvPool:
 
     # -- cache path ----------------------------------------------------------
 
-    def attach_longest(self, lane_seq: int, identities: Mapping[int, PrefixIdentity], lengths: list[int]) -> PrefixHit | None:
-        """Copy the longest resident prefix among `lengths` onto an empty lane.
+    def attach(self, lane_seq: int, candidates: list[PrefixIdentity]) -> PrefixIdentity | None:
+        """Copy the first resident candidate (callers order them longest first) onto an empty lane.
 
         The entry is borrowed for the copy so no eviction can run between the
         lookup and the `seq_cp`; cells are shared, nothing is copied.
         """
         self.counters.lookups += 1
-        for n in lengths:
-            page = identities[n].page_id
-            hit = self.cache.acquire(page)
+        for prefix in candidates:
+            hit = self.cache.acquire(prefix.page_id)
             if hit is None:
                 continue
             try:
-                self._seq_cp(hit.seq_id, lane_seq, n)
+                self._seq_cp(hit.seq_id, lane_seq, prefix.token_count)
             finally:
-                self.cache.release(page)
+                self.cache.release(prefix.page_id)
             self.counters.hits += 1
-            self.counters.hit_tokens += n
-            return PrefixHit(n, page)
+            self.counters.hit_tokens += prefix.token_count
+            return prefix
         return None
 
-    def record(self, lane_seq: int, identities: Mapping[int, PrefixIdentity], lengths: list[int]) -> int:
-        """Record the lane's first n cells as entries for each n; returns how many were saved."""
-        saved = 0
-        for n in lengths:
-            if n < self.cache.config.min_tokens or n <= 0:
-                continue
-            page = identities[n].page_id
-            nbytes = n * self.bytes_per_token
-            try:
-                allocation = self.cache.allocate_for_record(page, n, nbytes, self._drop)
-            except ResidentCacheError:
-                # Every entry borrowed or ids exhausted: serving goes on uncached.
-                self.counters.record_skips += 1
-                continue
-            self.counters.budget_evictions += len(allocation.evictions)
-            if not allocation.should_save:
-                continue
-            seq = allocation.seq_id
-            self._seq_cp(lane_seq, seq, n)
-            self.cache.commit_record(page, seq, n, nbytes)
-            self.counters.records += 1
-            saved += 1
-        return saved
+    def prompt_logits(self, prompt: PrefixIdentity) -> np.ndarray | None:
+        """The first-token logits kept with a whole-prompt entry, if it is resident."""
+        return self._logits.get(prompt.page_id)
 
-    def attach_prompt(self, lane_seq: int, prompt: PrefixIdentity) -> np.ndarray | None:
-        """A whole-prompt entry onto an empty lane: its cells and the logits its last token gave."""
-        self.counters.lookups += 1
-        hit = self.cache.acquire(prompt.page_id)
-        if hit is None:
-            return None
-        try:
-            self._seq_cp(hit.seq_id, lane_seq, prompt.token_count)
-        finally:
-            self.cache.release(prompt.page_id)
-        self.counters.hits += 1
-        self.counters.hit_tokens += prompt.token_count
-        return self._logits[prompt.page_id]
+    def record(self, lane_seq: int, prefix: PrefixIdentity, logits: np.ndarray | None = None) -> bool:
+        """Record the lane's first `prefix.token_count` cells as an entry (a whole prompt with its logits).
 
-    def record_prompt(self, lane_seq: int, prompt: PrefixIdentity, logits: np.ndarray) -> bool:
-        """Record a lane's whole prompt (every cell, the last token's too) with its first-token logits."""
-        n = prompt.token_count
-        if n < self.cache.config.min_tokens:
+        False when nothing was saved: below `min_tokens`, already resident,
+        uncacheable, or every entry borrowed (serving goes on uncached).
+        """
+        n = prefix.token_count
+        if n <= 0 or n < self.cache.config.min_tokens:
             return False
-        nbytes = n * self.bytes_per_token + logits.nbytes
+        nbytes = n * self.bytes_per_token + (logits.nbytes if logits is not None else 0)
         try:
-            allocation = self.cache.allocate_for_record(prompt.page_id, n, nbytes, self._drop)
+            allocation = self.cache.allocate_for_record(prefix.page_id, n, nbytes, self._drop)
         except ResidentCacheError:
             self.counters.record_skips += 1
             return False
@@ -190,8 +152,9 @@ class KvPool:
         if not allocation.should_save:
             return False
         self._seq_cp(lane_seq, allocation.seq_id, n)
-        self._logits[prompt.page_id] = logits
-        self.cache.commit_record(prompt.page_id, allocation.seq_id, n, nbytes)
+        if logits is not None:
+            self._logits[prefix.page_id] = logits
+        self.cache.commit_record(prefix.page_id, allocation.seq_id, n, nbytes)
         self.counters.records += 1
         return True
 
