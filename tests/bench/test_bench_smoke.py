@@ -7,18 +7,14 @@ No timing is asserted: the machine is shared.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from rich.console import Console
 
-from skippy_cache.bench import WORKLOADS, BenchConfig, Sizes, bench, parse_url_option
+from skippy_cache.bench import WORKLOADS, BenchConfig, Sizes, TargetSpec, bench, parse_url_option
 from skippy_cache.bench.cli import add_arguments, config_from_args
 from skippy_cache.bench.targets import free_port
 
@@ -46,46 +42,14 @@ TINY = Sizes(
 )
 
 
-@pytest.fixture(scope="module")
-def skippy_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SKIPPY_")}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "skippy_cache", "serve", "--port", str(port), "--ctx-size", "2048"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"no /health after 120 s:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
-
-
 @pytest.mark.model
-def test_every_workload_runs_counts_failures_and_writes_outputs(skippy_url: str, tmp_path: Path) -> None:
+def test_every_workload_runs_counts_failures_and_writes_outputs(tmp_path: Path) -> None:
     closed = f"http://127.0.0.1:{free_port()}"  # bound then released: nothing listens there
     config = BenchConfig(
-        specs=[parse_url_option(f"skippy-cache={skippy_url}"), parse_url_option(f"dead={closed}")],
+        # The bench starts skippy-cache itself (`serve` as a subprocess), as a user's run does.
+        specs=[TargetSpec("skippy-cache", "skippy-cache"), parse_url_option(f"dead={closed}")],
         sizes=TINY,
+        ctx_size=2048,
         out_dir=tmp_path,
         timeout_s=60,
     )

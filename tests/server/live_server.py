@@ -16,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from skippy_cache.runtime.engine import Engine
 from skippy_cache.runtime.requests import GenerationRequest
 from skippy_cache.server import ServerSettings, create_app
-from skippy_cache.server.stats import engine_stats
 
 #: The key the `key_server` fixture requires.
 API_KEY = "test-key-123"
@@ -61,11 +60,11 @@ class LiveServer:
         """Until no lane is busy and nothing waits (generous: only a hang fails it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            s = engine_stats(self.engine)
+            s = self.engine.stats()
             if s.lanes_busy == 0 and s.queue_depth == 0:
                 return
             time.sleep(0.05)
-        raise AssertionError(f"engine still busy after {timeout}s: {engine_stats(self.engine)}")
+        raise AssertionError(f"engine still busy after {timeout}s: {self.engine.stats()}")
 
 
 def warm_up(engine: Engine) -> None:

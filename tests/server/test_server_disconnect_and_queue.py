@@ -15,7 +15,6 @@ import httpx
 import pytest
 from live_server import LiveServer
 
-from skippy_cache.server.stats import engine_stats
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(180)]
 
@@ -76,7 +75,7 @@ def test_disconnect_mid_stream_frees_the_lane(server: LiveServer) -> None:
     with server.http() as http:
         hog = HogStream(server, http)
         time.sleep(0.5)
-        assert engine_stats(server.engine).lanes_busy == 1, "the request ended before it was abandoned"
+        assert server.engine.stats().lanes_busy == 1, "the request ended before it was abandoned"
         hog.close()
     follow_up(server)  # needs cells only the abandoned request held
     wait_for(lambda: cancelled_count(server) == before + 1, "the abandoned request to be cancelled")
@@ -111,7 +110,7 @@ def test_full_queue_answers_503_with_retry_after(server: LiveServer) -> None:
         threads = [threading.Thread(target=queued_request) for _ in range(queue_size)]
         for t in threads:
             t.start()
-        wait_for(lambda: engine_stats(server.engine).queue_depth == queue_size, "the queue to fill")
+        wait_for(lambda: server.engine.stats().queue_depth == queue_size, "the queue to fill")
 
         rejected = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
         assert rejected.status_code == 503

@@ -18,7 +18,7 @@ from skippy_cache.server.errors import APIError, install_error_handlers
 from skippy_cache.server.generation import Generation
 from skippy_cache.server.metrics import RequestCounter, ServerMetrics
 from skippy_cache.server.settings import ServerSettings
-from skippy_cache.server.stats import cache_report, engine_stats
+from skippy_cache.server.stats import cache_report
 
 ENDPOINTS = (
     "/v1/completions",
@@ -100,7 +100,7 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        s = engine_stats(engine)
+        s = engine.stats()
         if app.state.shutting_down:
             status = "shutting_down"
         elif not engine.alive:

@@ -17,7 +17,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skippy_cache.runtime.engine import Engine
 from skippy_cache.runtime.requests import DoneEvent, FinishReason
-from skippy_cache.server.stats import engine_stats
 
 #: Time to first token: tens of ms for a full cache hit, seconds for a cold
 #: long prompt on a CPU, minutes when queued behind a full pool.
@@ -80,7 +79,7 @@ class EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        s = engine_stats(self.engine)
+        s = self.engine.stats()
         c = s.cache
         gauges = {
             "skippy_lanes_total": ("Execution lanes", s.lanes_total),

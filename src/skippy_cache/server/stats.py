@@ -1,4 +1,4 @@
-"""Engine snapshots for /health, /metrics and /v1/cache.
+"""The /v1/cache report.
 
 `Engine.stats()` returns the snapshot the engine thread published after its
 last step, so it is safe and cheap from any thread.
@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from skippy_cache.runtime.engine import Engine, EngineStats
-
-
-def engine_stats(engine: Engine) -> EngineStats:
-    return engine.stats()
+from skippy_cache.runtime.engine import Engine
 
 
 def cache_report(engine: Engine) -> dict:
     """The cache's budgets, counters and pool state as JSON (GET /v1/cache)."""
-    s = engine_stats(engine)
+    s = engine.stats()
     budgets = engine.cache_config
     policy = engine.policy
     return {
