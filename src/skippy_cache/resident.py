@@ -43,6 +43,8 @@ class _Entry:
     token_count: int
     estimated_bytes: int
     last_used: int
+    #: The work clock (tokens decoded by the pool) when the entry was last used.
+    used_at_work: int = 0
     borrowed: bool = False
 
 
@@ -102,6 +104,8 @@ class ResidentPrefixCache:
         self._free_ids: list[SeqId] = []
         self._next_id = config.reserved_seq_count
         self._clock = 0
+        #: Tokens the pool has decoded: what an idle entry's cells have cost.
+        self._work = 0
         self._tokens = 0
         self._bytes = 0
         self._hits = 0
@@ -134,6 +138,7 @@ class ResidentPrefixCache:
             return None
         self._hits += 1
         entry.last_used = self._clock
+        entry.used_at_work = self._work
         return ResidentLookup(page_id, entry.seq_id, entry.token_count)
 
     def acquire(self, page_id: PageId) -> ResidentLookup | None:
@@ -197,6 +202,7 @@ class ResidentPrefixCache:
         existing = self._entries.get(page_id)
         if existing is not None:
             existing.last_used = self._clock
+            existing.used_at_work = self._work
             return RecordAllocation(existing.seq_id, (), should_save=False, reason="exists")
         if page_id in self._pending:
             raise ResidentCacheError(f"{page_id!r} is already being recorded")
@@ -238,7 +244,7 @@ class ResidentPrefixCache:
                 f"its allocation {pending}"
             )
         del self._pending[page_id]
-        self._entries[page_id] = _Entry(seq_id, token_count, estimated_bytes, self._clock)
+        self._entries[page_id] = _Entry(seq_id, token_count, estimated_bytes, self._clock, self._work)
         self._records += 1
 
     def abort_record(self, page_id: PageId) -> SeqId:
@@ -270,6 +276,30 @@ class ResidentPrefixCache:
         if entry is None or entry.borrowed:
             raise ResidentCacheError(f"cannot evict {page_id!r}: absent or borrowed")
         return self._evict(page_id, drop_evicted)
+
+    def advance_work(self, tokens: int) -> None:
+        """The pool decoded `tokens` more tokens (each paid for every resident cell in its KV view)."""
+        if tokens < 0:
+            raise ResidentCacheError(f"work cannot go backwards ({tokens} tokens)")
+        self._work += tokens
+
+    def evict_idle(self, idle_tokens: int, drop_evicted: DropEvicted) -> list[ResidentEviction]:
+        """Evict every free entry unused while the pool decoded more than `idle_tokens` tokens.
+
+        The rule is ski rental: an idle entry pays rent (its cells widen every
+        decode) until the rent would exceed what bringing it back costs, then
+        it goes. Rent and the cost of return both grow with the entry's cells,
+        so one token count serves entries of every size. Oldest use first.
+        """
+        if idle_tokens < 0:
+            raise ResidentCacheError(f"idle_tokens must be >= 0, got {idle_tokens}")
+        self._tick()
+        idle = [
+            (entry.used_at_work, entry.last_used, page_id)
+            for page_id, entry in self._entries.items()
+            if not entry.borrowed and self._work - entry.used_at_work > idle_tokens
+        ]
+        return [self._evict(page_id, drop_evicted) for _, _, page_id in sorted(idle)]
 
     def clear(self, drop_evicted: DropEvicted) -> list[ResidentEviction]:
         """Evict every entry that is not borrowed."""

@@ -115,7 +115,7 @@ def test_cli_options_map_to_config() -> None:
         ("ls", "url", "http://127.0.0.1:8080"),
     ]
     assert config.workloads == ["warm", "zero"]  # the order, whatever order was asked
-    assert config.sizes.warm_repeats == 4 and config.ctx_size == 20480
+    assert config.sizes.warm_repeats == 4 and config.ctx_size == 8192
     with pytest.raises(ValueError, match="unknown"):
         config_from_args(parser.parse_args(["--workloads", "warm,nope"]))
     with pytest.raises(ValueError, match="nothing to measure"):

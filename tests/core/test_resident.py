@@ -504,6 +504,185 @@ def test_stats_snapshot() -> None:
     assert len(cache) == 2
 
 
+# -- work clock and idle eviction ----------------------------------------------------------
+
+
+def test_idle_entry_survives_up_to_the_threshold_then_goes() -> None:
+    cache = make_cache()
+    cache.advance_work(50)
+    record(cache, "a", 100, 3)  # used at work 50
+    cache.advance_work(100)  # 100 tokens idle
+    drop = Dropper(cache)
+    assert cache.evict_idle(100, drop) == []
+    assert P("a") in cache
+    assert cache.evict_idle(99, drop) == [ResidentEviction(P("a"), SeqId(8), 100, 3)]
+    assert drop.dropped == ["a"]
+    assert P("a") not in cache
+    stats = cache.stats()
+    assert (stats.entries, stats.resident_tokens, stats.estimated_bytes, stats.evictions) == (0, 0, 0, 1)
+    cache.check_invariants()
+
+
+def test_evict_idle_at_zero_spares_only_entries_used_since_the_last_work() -> None:
+    cache = make_cache()
+    record(cache, "a", 100)
+    assert cache.evict_idle(0, Dropper(cache)) == []
+    cache.advance_work(0)  # no work, no idleness
+    assert cache.evict_idle(0, Dropper(cache)) == []
+    cache.advance_work(1)
+    record(cache, "b", 100)
+    assert [e.page_id for e in cache.evict_idle(0, Dropper(cache))] == ["a"]
+    assert pages(cache) == ["b"]
+
+
+@pytest.mark.parametrize("use", ["lookup", "acquire", "allocate_exists"])
+def test_a_use_resets_the_idle_count(use: str) -> None:
+    cache = make_cache()
+    record(cache, "a", 100)
+    record(cache, "b", 100)
+    cache.advance_work(80)
+    if use == "lookup":
+        assert cache.lookup(P("a")) is not None
+    elif use == "acquire":
+        assert cache.acquire(P("a")) is not None
+        cache.release(P("a"))
+    else:
+        assert cache.allocate_for_record(P("a"), 100, 0, Dropper(cache)).reason == "exists"
+    cache.advance_work(80)  # a: 80 idle, b: 160
+    assert [e.page_id for e in cache.evict_idle(100, Dropper(cache))] == ["b"]
+    assert pages(cache) == ["a"]
+    cache.advance_work(20)  # a: exactly 100
+    assert cache.evict_idle(100, Dropper(cache)) == []
+    cache.advance_work(1)
+    assert [e.page_id for e in cache.evict_idle(100, Dropper(cache))] == ["a"]
+
+
+@pytest.mark.parametrize("read", ["peek", "lookup_miss_while_borrowed", "acquire_miss_while_borrowed"])
+def test_reads_that_are_not_hits_do_not_reset_the_idle_count(read: str) -> None:
+    cache = make_cache()
+    record(cache, "a", 100)
+    cache.advance_work(80)
+    if read == "peek":
+        assert cache.peek(P("a")) is not None
+    else:
+        assert cache.acquire(P("a")) is not None  # used at 80
+        cache.advance_work(80)
+        hit = cache.lookup(P("a")) if read == "lookup_miss_while_borrowed" else cache.acquire(P("a"))
+        assert hit is None
+        cache.release(P("a"))
+    cache.advance_work(21)
+    # Idle since its last hit (0 or 80), not since the read.
+    assert [e.page_id for e in cache.evict_idle(100, Dropper(cache))] == ["a"]
+
+
+def test_commit_not_allocation_starts_the_idle_count() -> None:
+    cache = make_cache()
+    allocation = cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
+    cache.advance_work(500)
+    # Pending entries are not the cache's to evict.
+    assert cache.evict_idle(0, Dropper(cache)) == []
+    assert cache.stats().pending == 1
+    cache.commit_record(P("a"), allocation.seq_id, 100, 0)
+    cache.advance_work(10)
+    assert cache.evict_idle(10, Dropper(cache)) == []
+    cache.advance_work(1)
+    assert [e.page_id for e in cache.evict_idle(10, Dropper(cache))] == ["a"]
+
+
+def test_borrowed_entry_is_never_evicted_by_evict_idle() -> None:
+    cache = make_cache()
+    record(cache, "a", 100)
+    record(cache, "b", 100)
+    cache.acquire(P("a"))
+    cache.advance_work(1000)
+    drop = Dropper(cache)
+    assert [e.page_id for e in cache.evict_idle(10, drop)] == ["b"]
+    assert cache.evict_idle(0, drop) == []
+    assert drop.dropped == ["b"]
+    assert pages(cache) == ["a"]
+    assert cache.stats().borrowed == 1
+    cache.release(P("a"))
+    cache.advance_work(11)  # idle past the threshold whether or not the release counted as a use
+    assert [e.page_id for e in cache.evict_idle(10, drop)] == ["a"]
+
+
+def test_evict_idle_takes_the_oldest_use_first() -> None:
+    cache = make_cache()
+    record(cache, "a", 100, 1)  # used at 0
+    cache.advance_work(10)
+    record(cache, "c", 200, 2)  # used at 10
+    cache.advance_work(10)
+    record(cache, "b", 300, 3)  # used at 20
+    cache.advance_work(10)
+    cache.lookup(P("a"))  # used at 30
+    cache.advance_work(10)
+    record(cache, "d", 400, 4)  # used at 40
+    cache.advance_work(60)  # work 100: idle a 70, c 90, b 80, d 60
+    drop = Dropper(cache)
+    # Neither page order, nor record order: the order of last use.
+    assert cache.evict_idle(60, drop) == [
+        ResidentEviction(P("c"), SeqId(9), 200, 2),
+        ResidentEviction(P("b"), SeqId(10), 300, 3),
+        ResidentEviction(P("a"), SeqId(8), 100, 1),
+    ]
+    assert drop.dropped == ["c", "b", "a"]
+    assert pages(cache) == ["d"]
+    stats = cache.stats()
+    assert (stats.resident_tokens, stats.estimated_bytes, stats.evictions, stats.hits) == (400, 4, 3, 1)
+    # Ids were freed in eviction order; the most recently freed comes back first.
+    assert record(cache, "e", 100).seq_id == 8
+    assert record(cache, "f", 100).seq_id == 10
+
+
+def test_evict_idle_on_an_empty_cache() -> None:
+    cache = make_cache()
+    cache.advance_work(1000)
+    assert cache.evict_idle(0, Dropper(cache)) == []
+    assert cache.stats().evictions == 0
+
+
+def test_failing_drop_in_evict_idle_leaves_the_entry_booked() -> None:
+    cache = make_cache()
+    record(cache, "a", 100, 7)  # used at 0
+    cache.advance_work(10)
+    record(cache, "b", 100, 7)  # used at 10
+    cache.advance_work(10)
+    record(cache, "c", 100, 7)  # used at 20
+    cache.advance_work(100)
+    before_stats = cache.stats()
+    before_entries = cache.entries()
+    # The first (oldest) drop fails: nothing changes.
+    with pytest.raises(OSError, match="native drop of a failed"):
+        cache.evict_idle(50, Dropper(cache, fail_on="a"))
+    assert cache.stats() == before_stats
+    assert cache.entries() == before_entries
+    cache.check_invariants()
+    # A later drop fails: what went before it is gone, it and the rest stay booked.
+    drop = Dropper(cache, fail_on="b")
+    with pytest.raises(OSError, match="native drop of b failed"):
+        cache.evict_idle(50, drop)
+    assert drop.dropped == ["a"]
+    assert cache.entries() == [ResidentLookup(P("b"), SeqId(9), 100), ResidentLookup(P("c"), SeqId(10), 100)]
+    stats = cache.stats()
+    assert (stats.entries, stats.resident_tokens, stats.estimated_bytes, stats.evictions) == (2, 200, 14, 1)
+    cache.check_invariants()
+    # Once the drop works, both go, and b's id is not handed out while it is booked.
+    assert [e.page_id for e in cache.evict_idle(50, Dropper(cache))] == ["b", "c"]
+    assert cache.stats().evictions == 3
+
+
+@pytest.mark.parametrize("tokens", [-1, -100])
+def test_negative_advance_work_raises(tokens: int) -> None:
+    cache = make_cache()
+    record(cache, "a", 100)
+    cache.advance_work(5)
+    with pytest.raises(ResidentCacheError, match="backwards"):
+        cache.advance_work(tokens)
+    # The clock did not move: a is 5 idle, not 5 + tokens (or less).
+    assert cache.evict_idle(5, Dropper(cache)) == []
+    assert [e.page_id for e in cache.evict_idle(4, Dropper(cache))] == ["a"]
+
+
 # -- model-based check ---------------------------------------------------------------------
 
 
@@ -522,6 +701,8 @@ class ModelEntry:
     nbytes: int
     last_used: int
     borrowed: bool = False
+    #: The work clock at the entry's last use (commit, hit, or an "exists" record).
+    used_at_work: int = 0
 
 
 class ReferenceCache:
@@ -535,6 +716,7 @@ class ReferenceCache:
         self.free: list[int] = []
         self.next_id = cfg.reserved_seq_count
         self.clock = 0
+        self.work = 0
         self.hits = self.misses = self.records = self.evictions = self.uncacheable = 0
 
     def touch(self) -> int:
@@ -554,6 +736,7 @@ class ReferenceCache:
             return None
         self.hits += 1
         e.last_used = self.touch()
+        e.used_at_work = self.work
         e.borrowed = e.borrowed or acquire
         return (page, e.seq, e.tokens)
 
@@ -582,6 +765,7 @@ class ReferenceCache:
             raise ModelError
         if page in self.entries:
             self.entries[page].last_used = self.touch()
+            self.entries[page].used_at_work = self.work
             return (self.entries[page].seq, (), False, "exists")
         if page in self.pending:
             raise ModelError
@@ -621,8 +805,23 @@ class ReferenceCache:
         return (seq, tuple(evictions), True, None)
 
     def commit(self, page: str) -> None:
-        self.entries[page] = ModelEntry(*self.pending.pop(page), last_used=self.touch())
+        self.entries[page] = ModelEntry(
+            *self.pending.pop(page), last_used=self.touch(), used_at_work=self.work
+        )
         self.records += 1
+
+    def advance_work(self, tokens: int) -> None:
+        if tokens < 0:
+            raise ModelError
+        self.work += tokens
+
+    def idle(self, idle_tokens: int) -> dict[str, int]:
+        """The pages `evict_idle(idle_tokens)` must evict, with the work clock at their last use."""
+        return {
+            p: e.used_at_work
+            for p, e in self.entries.items()
+            if not e.borrowed and self.work - e.used_at_work > idle_tokens
+        }
 
     def abort(self, page: str) -> int:
         seq, _, _ = self.pending.pop(page)
@@ -773,6 +972,42 @@ class ResidentCacheMachine(RuleBasedStateMachine):
             got = (got.page_id, got.seq_id, got.token_count, got.estimated_bytes)
         assert got == expected
 
+    # Mostly real work: hypothesis leans to 0, which ages nothing.
+    @rule(tokens=st.one_of(*[st.integers(1, 400)] * 3, st.sampled_from([0, -1, -400])))
+    def advance_work(self, tokens: int) -> None:
+        self._both(lambda: self.model.advance_work(tokens), lambda: self.cache.advance_work(tokens))
+
+    @rule(data=st.data(), fail_on=fail_choice)
+    def evict_idle(self, data: st.DataObject, fail_on: str | None) -> None:
+        # Thresholds on either side of some entry's idle count, which uniform draws rarely hit.
+        work = self.model.work
+        edges = sorted({max(work - e.used_at_work + d, 0) for e in self.model.entries.values() for d in (-1, 0)})
+        thresholds = st.integers(0, 600)
+        idle_tokens = data.draw(st.one_of(thresholds, st.sampled_from(edges)) if edges else thresholds)
+        idle = self.model.idle(idle_tokens)
+        drop = self._drop(fail_on)
+        try:
+            got: list[ResidentEviction] | None = self.cache.evict_idle(idle_tokens, drop)
+        except OSError:
+            got = None
+        dropped = drop.dropped
+        # Only idle entries go, oldest use first; the order among equal uses is not specified,
+        # so the drops the cache actually made decide it, checked against the rule.
+        assert set(dropped) <= idle.keys()
+        uses = [idle[p] for p in dropped]
+        assert uses == sorted(uses)
+        if fail_on in idle:
+            assert got is None, "the failing drop must propagate"
+            assert fail_on not in dropped
+            assert all(use <= idle[fail_on] for use in uses)
+            assert {p for p, use in idle.items() if use < idle[fail_on]} <= set(dropped)
+        else:
+            assert got is not None
+            assert set(dropped) == idle.keys()
+        expected = [self.model.evict(p, None) for p in dropped]
+        if got is not None:
+            assert [(e.page_id, e.seq_id, e.token_count, e.estimated_bytes) for e in got] == expected
+
     @invariant()
     def books_agree(self) -> None:
         if not hasattr(self, "cache"):
@@ -812,6 +1047,42 @@ class ResidentCacheMachine(RuleBasedStateMachine):
 
 ResidentCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 TestResidentCacheMachine = ResidentCacheMachine.TestCase
+
+
+class IdleEvictionMachine(ResidentCacheMachine):
+    """The same model check in a roomy cache, where entries live long enough to go idle.
+
+    Under `configs` budgets evict entries within a few steps, so `evict_idle`
+    seldom sees two entries with different last uses, or a borrowed one.
+    """
+
+    @initialize(
+        cfg=st.builds(
+            ResidentCacheConfig,
+            max_entries=st.integers(4, 10),
+            max_bytes=st.just(0),
+            min_tokens=st.just(0),
+            reserved_seq_count=st.integers(0, 10),
+            max_resident_tokens=st.just(0),
+        )
+    )
+    def setup(self, cfg: ResidentCacheConfig) -> None:
+        self.cache = ResidentPrefixCache(cfg)
+        self.model = ReferenceCache(cfg)
+
+    @precondition(lambda self: bool(self.model.entries))
+    @rule(data=st.data(), acquire=st.booleans())
+    def use_an_entry(self, data: st.DataObject, acquire: bool) -> None:
+        # Hits on what is held (drawn from all pages, most lookups miss): each resets an idle count.
+        page = data.draw(st.sampled_from(sorted(self.model.entries)))
+        if acquire:
+            self.acquire(page)
+        else:
+            self.lookup(page)
+
+
+IdleEvictionMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=100, deadline=None)
+TestIdleEvictionMachine = IdleEvictionMachine.TestCase
 
 
 def test_record_that_cannot_fit_beside_borrowed_entries_evicts_nothing() -> None:

@@ -8,19 +8,32 @@ from prompts import make_tokens
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest, RequestError
 
 
-def test_partial_hit_reuses_exactly_the_policy_grid_length(fast_engine):
+def test_fast_mode_hit_covers_exactly_the_shared_prefix(fast_engine):
     fast_engine.clear_cache()
-    policy = fast_engine.policy
     first = make_tokens(fast_engine, 300, seed=7)
     second = first[:280] + make_tokens(fast_engine, 50, seed=8)
-    recorded = policy.record_candidate_token_counts(len(first) - 1)
-    lookups = policy.candidate_token_counts(len(second) - 1)
-    # The longest length the second prompt looks up that the first recorded:
-    # 256, the grid length both share (299 is not looked up, 320 not recorded).
-    expected = next(n for n in lookups if n in recorded)
-    assert (recorded, expected) == ([299, 256], 256)
+    assert second[280] != first[280]
     fast_engine.generate(GenerationRequest(tokens=first, max_tokens=1))
     done = fast_engine.generate(GenerationRequest(tokens=second, max_tokens=1))
+    # The prefix index finds the 280 shared tokens inside the first prompt's entry.
+    assert done.stats.cached_tokens == 280
+    # A prompt that is a strict prefix of a cached one reuses all but its last token.
+    shorter = first[:200]
+    assert fast_engine.generate(GenerationRequest(tokens=shorter, max_tokens=1)).stats.cached_tokens == 199
+
+
+def test_deterministic_hit_reuses_exactly_the_policy_grid_length(exact_engine):
+    exact_engine.clear_cache()
+    policy = exact_engine.policy
+    first = make_tokens(exact_engine, 300, seed=7)
+    second = first[:280] + make_tokens(exact_engine, 50, seed=8)
+    lookups = policy.candidate_token_counts(len(second) - 1)
+    recorded = set(policy.record_candidate_token_counts(len(first) - 1))
+    # The longest grid length the second prompt looks up that the first recorded.
+    expected = next(n for n in lookups if n in recorded and n % policy.grid_tokens == 0)
+    assert expected == 256
+    exact_engine.generate(GenerationRequest(tokens=first, max_tokens=1))
+    done = exact_engine.generate(GenerationRequest(tokens=second, max_tokens=1))
     assert done.stats.cached_tokens == expected
 
 
@@ -49,9 +62,8 @@ def test_eviction_frees_native_state(fast_engine):
         return steps
 
     steps = fast_engine.call(evict_all_one_by_one)
-    # The grid entry (128) and the whole-prompt entry (150) share their first
-    # 128 cells: dropping the first frees nothing, dropping the second frees all.
-    assert [(v.token_count, used) for v, _, _, used in steps] == [(128, 150), (150, 0)]
+    # Fast mode records one entry per prompt, the whole prompt; dropping it frees every cell.
+    assert [(v.token_count, used) for v, _, _, used in steps] == [(150, 0)]
     for victim, native_before, native_after, _ in steps:
         assert native_before == victim.token_count - 1
         assert native_after == -1

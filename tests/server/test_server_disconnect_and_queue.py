@@ -15,7 +15,6 @@ import httpx
 import pytest
 from live_server import LiveServer
 
-
 pytestmark = [pytest.mark.model, pytest.mark.timeout(180)]
 
 #: Greedy decoding runs on for a long while (a prompt whose first token is EOS would not).

@@ -1,9 +1,23 @@
-"""/metrics parses with prometheus_client's parser and moves as requests are served; /health, /v1/cache."""
+"""/metrics parses with prometheus_client's parser and moves as requests are served; /health, /v1/cache.
+
+The host tier (exact KV states demoted from the pool to RAM) is followed on a
+server of its own, small enough that one idle entry is demoted on cue.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
+
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, run_server, warm_up
+from openai.types import Completion
+
+from skippy_cache.config import StageKvCacheConfig
+from skippy_cache.runtime.engine import Engine
+from skippy_cache.server import ServerSettings
+from skippy_cache.server.metrics import EngineCollector
+from skippy_cache.server.stats import cache_report
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(120)]
 
@@ -18,7 +32,22 @@ ENGINE_GAUGES = [
     "skippy_cache_resident_tokens",
     "skippy_prompt_cache_hit_ratio",
     "skippy_kv_cells_total",
+    "skippy_cache_host_entries",
+    "skippy_cache_host_bytes",
+    "skippy_cache_host_max_bytes",
 ]
+
+HOST_COUNTERS = [
+    "skippy_cache_host_hits_total",
+    "skippy_cache_demotions_total",
+    "skippy_cache_idle_evictions_total",
+    "skippy_cache_restore_failures_total",
+]
+
+MIB = 1024 * 1024
+#: The host-tier server: a 16 MiB tier, and entries demoted after 32 idle tokens.
+HOST_MIB = 16
+IDLE_TOKENS = 32
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
@@ -30,6 +59,10 @@ def test_metrics_parse_and_move(server: LiveServer) -> None:
     for name in ENGINE_GAUGES:
         assert (name, ()) in before, f"{name} missing from /metrics"
     assert value(before, "skippy_cache_evictions_total") >= 0
+    for name in HOST_COUNTERS:
+        assert (name, ()) in before, f"{name} missing from /metrics"
+    # The session server runs with the default host tier.
+    assert value(before, "skippy_cache_host_max_bytes") == 2048 * MIB
 
     prompt = "Metrics test: " + " ".join(f"line {i} of the shared preamble." for i in range(16))
     client = server.openai()
@@ -78,6 +111,111 @@ def test_cache_endpoint_reports_budgets_and_stats(server: LiveServer) -> None:
     assert budgets["reserved_seq_count"] == 2 * server.settings.lanes
     assert budgets["max_resident_tokens"] == 0  # no token cap below an 8192-cell context
     assert budgets["min_tokens"] == 64 and budgets["stride_tokens"] == 128 and budgets["record_limit"] == 2
+    assert budgets["host_cache_bytes"] == 2048 * MIB and budgets["idle_tokens"] == 256
     assert report["pool"]["n_ctx"] == server.engine.n_ctx
     for key in ("entries", "resident_tokens", "hits", "misses", "records", "evictions"):
         assert key in report["cache"]
+    for key in ("idle_evictions", "demotions", "host_hits", "host_hit_tokens", "restore_failures"):
+        assert report["pool"][key] >= 0
+    host = report["host"]
+    assert set(host) == {"entries", "bytes", "max_bytes", "hits", "misses", "puts", "evictions", "rejected"}
+    assert host["max_bytes"] == 2048 * MIB
+    assert 0 <= host["bytes"] <= host["max_bytes"]
+
+
+@pytest.fixture(scope="module")
+def host_server() -> Iterator[LiveServer]:
+    # record_limit 1: a prompt is recorded once, whole (with its first-token logits).
+    cache = dataclasses.replace(StageKvCacheConfig(), shared_prefix_record_limit=1)
+    settings = ServerSettings(ctx_size=1024, lanes=1, queue_size=4, host_cache_mib=HOST_MIB,
+                              idle_tokens=IDLE_TOKENS, cache=cache)
+    engine = Engine(settings.engine_config())
+    warm_up(engine)
+    try:
+        yield from run_server(engine, settings)
+    finally:
+        engine.close(drain=False)
+
+
+def test_host_tier_demotion_and_restore_in_metrics_and_report(host_server: LiveServer) -> None:
+    server = host_server
+    client = server.openai()
+
+    def complete(prompt: str, max_tokens: int) -> Completion:
+        return client.completions.create(model=server.model_id, prompt=prompt, max_tokens=max_tokens,
+                                          temperature=0)
+
+    def report() -> dict:
+        with server.http() as http:
+            return http.get("/v1/cache").json()
+
+    start = report()
+    assert start["budgets"]["host_cache_bytes"] == HOST_MIB * MIB
+    assert start["budgets"]["idle_tokens"] == IDLE_TOKENS
+    assert start["host"]["max_bytes"] == HOST_MIB * MIB
+    assert (start["host"]["entries"], start["host"]["bytes"], start["host"]["puts"]) == (0, 0, 0)
+    assert value(server.metrics(), "skippy_cache_host_max_bytes") == HOST_MIB * MIB
+
+    # A prompt over min_tokens (64): recorded as one whole-prompt entry.
+    prompt = "Host tier test: " + " ".join(f"item {i} of the list." for i in range(14))
+    first = complete(prompt, 2)
+    n_prompt = first.usage.prompt_tokens
+    assert n_prompt > 64, n_prompt
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    recorded = report()
+    assert (recorded["cache"]["entries"], recorded["cache"]["resident_tokens"]) == (1, n_prompt)
+    assert recorded["host"]["entries"] == 0 and recorded["pool"]["demotions"] == 0
+
+    # A prompt too short to record (< 64 tokens) but longer than idle_tokens:
+    # its prefill alone leaves the entry idle long enough to be demoted.
+    filler = complete("Unrelated: " + " ".join(f"w{i}" for i in range(20)), 1)
+    assert IDLE_TOKENS < filler.usage.prompt_tokens < 64, filler.usage.prompt_tokens
+    demoted = report()
+    assert demoted["cache"]["entries"] == 0 and demoted["cache"]["resident_tokens"] == 0
+    host = demoted["host"]
+    assert (host["entries"], host["puts"], host["evictions"], host["rejected"]) == (1, 1, 0, 0)
+    # The exact state holds at least the K/V rows and logits the resident entry was estimated at.
+    assert recorded["cache"]["estimated_bytes"] <= host["bytes"] <= HOST_MIB * MIB
+    pool = demoted["pool"]
+    assert (pool["idle_evictions"], pool["demotions"], pool["host_hits"], pool["restore_failures"]) \
+        == (1, 1, 0, 0)
+    samples = server.metrics()
+    assert value(samples, "skippy_cache_host_entries") == 1
+    assert value(samples, "skippy_cache_host_bytes") == host["bytes"]
+    assert value(samples, "skippy_cache_demotions_total") == 1
+    assert value(samples, "skippy_cache_idle_evictions_total") == 1
+    assert value(samples, "skippy_cache_host_hits_total") == 0
+    assert value(samples, "skippy_cache_resident_entries") == 0
+
+    # The same prompt again: its whole-prompt state restored from the host tier, every token cached.
+    again = complete(prompt, 2)
+    assert again.usage.prompt_tokens == n_prompt
+    assert again.usage.prompt_tokens_details.cached_tokens == n_prompt
+    restored = report()
+    pool = restored["pool"]
+    assert (pool["host_hits"], pool["host_hit_tokens"], pool["restore_failures"]) == (1, n_prompt, 0)
+    assert pool["hits"] == 1 and pool["hit_tokens"] == n_prompt
+    assert restored["host"]["hits"] == 1 and restored["host"]["entries"] == 1
+    samples = server.metrics()
+    assert value(samples, "skippy_cache_host_hits_total") == 1
+    assert value(samples, "skippy_cache_hits_total") == 1
+    assert value(samples, "skippy_cache_restore_failures_total") == 0
+    assert value(samples, "skippy_cache_demotions_total") == 1
+
+
+def test_no_host_tier_reports_none_and_zeros() -> None:
+    """host_cache_mib = 0 reaches the engine: no tier, `host: null`, zero host gauges."""
+    settings = ServerSettings(ctx_size=256, lanes=1, host_cache_mib=0, idle_tokens=0)
+    engine = Engine(settings.engine_config())
+    try:
+        report = cache_report(engine)
+        assert report["host"] is None
+        assert (report["budgets"]["host_cache_bytes"], report["budgets"]["idle_tokens"]) == (0, 0)
+        assert report["pool"]["demotions"] == 0 and report["pool"]["host_hits"] == 0
+        collected = {m.name: m.samples[0].value for m in EngineCollector(engine).collect()}
+        for name in ("skippy_cache_host_entries", "skippy_cache_host_bytes", "skippy_cache_host_max_bytes",
+                     "skippy_cache_host_hits", "skippy_cache_demotions", "skippy_cache_idle_evictions",
+                     "skippy_cache_restore_failures"):
+            assert collected[name] == 0, name
+    finally:
+        engine.close(drain=False)

@@ -8,7 +8,10 @@ import pytest
 
 from skippy_cache.__main__ import build_parser
 from skippy_cache.config import StageKvCacheMode
+from skippy_cache.runtime.engine import EngineConfig
 from skippy_cache.server.settings import OPTIONS, ServerSettings, SettingsError, load_settings
+
+MIB = 1024 * 1024
 
 
 def settings(argv: list[str], env: dict[str, str] | None = None) -> ServerSettings:
@@ -28,6 +31,10 @@ def test_defaults() -> None:
     assert (s.host, s.port, s.ctx_size, s.lanes) == ("127.0.0.1", 8000, 8192, 4)
     assert (s.queue_size, s.api_key) == (64, None)
     assert s.cache.mode is StageKvCacheMode.AUTO and s.cache.min_tokens == 64
+    assert (s.host_cache_mib, s.idle_tokens) == (2048, 256)
+    engine = s.engine_config()
+    assert (engine.host_cache_bytes, engine.idle_tokens) == (2048 * MIB, 256)
+    assert engine.host_cache_bytes == EngineConfig().host_cache_bytes  # the server's default is the engine's
 
 
 def test_cli_options_map_to_settings() -> None:
@@ -67,6 +74,31 @@ def test_precedence_cli_over_env_over_file(tmp_path: Path) -> None:
     assert settings(["--config", str(path)]).port == 7000
 
 
+def test_host_tier_options_from_cli_env_and_file(tmp_path: Path) -> None:
+    s = settings(["--host-cache-mib", "512", "--idle-tokens", "1_000"])
+    assert (s.host_cache_mib, s.idle_tokens) == (512, 1000)
+    engine = s.engine_config()
+    assert (engine.host_cache_bytes, engine.idle_tokens) == (512 * MIB, 1000)
+
+    s = settings([], {"SKIPPY_HOST_CACHE_MIB": "64", "SKIPPY_IDLE_TOKENS": "32"})
+    assert (s.engine_config().host_cache_bytes, s.engine_config().idle_tokens) == (64 * MIB, 32)
+
+    # Top-level TOML keys (not in [cache]); 0 turns the tier off / idle demotion off.
+    path = write(tmp_path, "host_cache_mib = 0\nidle_tokens = 0\n")
+    s = settings(["--config", str(path)])
+    assert (s.host_cache_mib, s.idle_tokens) == (0, 0)
+    assert (s.engine_config().host_cache_bytes, s.engine_config().idle_tokens) == (0, 0)
+
+    # CLI over env over file.
+    path = write(tmp_path, "host_cache_mib = 100\nidle_tokens = 10\n")
+    env = {"SKIPPY_CONFIG": str(path), "SKIPPY_HOST_CACHE_MIB": "200"}
+    s = settings(["--idle-tokens", "30"], env)
+    assert (s.host_cache_mib, s.idle_tokens) == (200, 30)
+    assert settings([], {"SKIPPY_CONFIG": str(path)}).idle_tokens == 10
+    # A large budget is not truncated on the way to bytes.
+    assert settings(["--host-cache-mib", "65536"]).engine_config().host_cache_bytes == 64 << 30
+
+
 def test_file_types_are_checked(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="deterministic"):
         settings(["--config", str(write(tmp_path, 'deterministic = "maybe"\n'))])
@@ -74,6 +106,12 @@ def test_file_types_are_checked(tmp_path: Path) -> None:
         settings(["--config", str(write(tmp_path, "ctx = 5\n"))])
     with pytest.raises(SettingsError, match="not valid TOML"):
         settings(["--config", str(write(tmp_path, "port = \n"))])
+    with pytest.raises(SettingsError, match=r"skippy.toml: host_cache_mib=-2 must be at least 0"):
+        settings(["--config", str(write(tmp_path, "host_cache_mib = -2\n"))])
+    with pytest.raises(SettingsError, match=r"skippy.toml: idle_tokens=1.5 must be a string or an integer"):
+        settings(["--config", str(write(tmp_path, "idle_tokens = 1.5\n"))])
+    with pytest.raises(SettingsError, match=r"unknown setting 'cache.host_cache_mib'"):
+        settings(["--config", str(write(tmp_path, "[cache]\nhost_cache_mib = 1\n"))])
     with pytest.raises(SettingsError, match="not found"):
         settings(["--config", str(tmp_path / "missing.toml")])
 
@@ -89,6 +127,11 @@ def test_file_types_are_checked(tmp_path: Path) -> None:
         ([], {"SKIPPY_DETERMINISTIC": "perhaps"}, "SKIPPY_DETERMINISTIC"),
         ([], {"SKIPPY_KV_CACHE_MAX_ENTRIES": "-3"}, "SKIPPY_KV_CACHE_MAX_ENTRIES"),
         ([], {"SKIPPY_KV_CACHE": "sometimes"}, "SKIPPY_KV_CACHE"),
+        (["--host-cache-mib", "-1"], {}, r"--host-cache-mib=-1 must be at least 0"),
+        (["--host-cache-mib", "2GiB"], {}, r"--host-cache-mib='2GiB' is not an integer"),
+        (["--idle-tokens", "-5"], {}, r"--idle-tokens=-5 must be at least 0"),
+        ([], {"SKIPPY_HOST_CACHE_MIB": "lots"}, r"SKIPPY_HOST_CACHE_MIB='lots' is not an integer"),
+        ([], {"SKIPPY_IDLE_TOKENS": "1.5"}, r"SKIPPY_IDLE_TOKENS='1.5' is not an integer"),
     ],
 )
 def test_malformed_values_name_the_setting(argv: list[str], env: dict[str, str], names: str) -> None:

@@ -31,11 +31,9 @@ from skippy_cache.bench.targets import (
 )
 from skippy_cache.bench.workloads import WORKLOAD_FUNCTIONS, calibrate
 
-#: 8 tenants x ~1,200 tokens of cache budget each (the ~600-token prompt is recorded at its full
-#: length and at the shared grid length below it) need ~9,600 tokens, and the cache may pin at
-#: most half the pool: 20,480 cells hold ~10k. On the server's default 8,192 the cache keeps ~3
-#: tenants and LRU over a round-robin of 8 hits nothing. Peers get the same n_ctx.
-DEFAULT_CTX_SIZE = 20480
+#: The server's own default: entries that do not fit the pool wait in the host tier, so the
+#: workloads need no larger pool. Peers get the same n_ctx.
+DEFAULT_CTX_SIZE = 8192
 DEFAULT_TIMEOUT_S = 300.0
 #: 1-minute load average above which the run warns that its timings are not trustworthy.
 BUSY_LOAD = 0.5
@@ -92,9 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ctx-size",
         type=int,
         default=DEFAULT_CTX_SIZE,
-        help=f"n_ctx of every server the bench starts (default {DEFAULT_CTX_SIZE}: the tenants "
-        "working set of 8 x ~1,200 cache-budget tokens needs the cache's half-pool cap "
-        "of ~10k tokens)",
+        help=f"n_ctx of every server the bench starts (default {DEFAULT_CTX_SIZE}, the server's default)",
     )
     parser.add_argument(
         "--runs",

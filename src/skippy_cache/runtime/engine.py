@@ -32,7 +32,9 @@ from skippy_cache.config import (
     StageKvCacheConfig,
 )
 from skippy_cache.family import resolve_mode
+from skippy_cache.host import HostTier, HostTierStats
 from skippy_cache.identity import IdentityKey, PrefixIdentity, prefix_identities, prefix_identity
+from skippy_cache.radix import PrefixIndex
 from skippy_cache.resident import ResidentCacheStats, ResidentPrefixCache
 from skippy_cache.runtime.gguf_info import GgufInfo, default_model_path, read_gguf_info
 from skippy_cache.runtime.kvpool import KvPool, PoolCounters
@@ -85,6 +87,16 @@ class EngineConfig:
     #: (EXACTNESS.md). Costs throughput under concurrency.
     deterministic: bool = False
     max_queue: int = 64
+    #: Host RAM for exact states demoted from the pool (0: none; evicted
+    #: entries are then lost). Not used in deterministic mode, where a restored
+    #: state would land on cells off the alignment grid.
+    host_cache_bytes: int = 2 << 30
+    #: With a host tier: an entry unused while the pool decodes this many
+    #: tokens is demoted. Measured on SmolLM2-135M, 2 cores: a resident cell
+    #: costs each decoded token about 0.1 us of attention, and restoring a cell
+    #: about 13 us, so an idle entry has paid for its return after ~128 tokens.
+    #: 0: entries leave only when a budget or a decode needs their cells.
+    idle_tokens: int = 256
     #: After every step, check the cache budgets and that the cell ledger
     #: matches llama.cpp's sequences (tests; costs a native call per sequence).
     check_invariants: bool = False
@@ -99,6 +111,7 @@ class EngineStats:
     used_cells: int
     reserved_cells: int
     cache: ResidentCacheStats
+    host: HostTierStats | None
     pool: PoolCounters
     cache_mode: str
     steps: int
@@ -157,6 +170,9 @@ class Engine:
             ResidentPrefixCache(self.cache_config),
             self.model.kv_bytes_per_token(config.type_k, config.type_v),
             mirror_cells=config.deterministic,
+            host=HostTier(config.host_cache_bytes) if config.host_cache_bytes > 0 and not config.deterministic else None,
+            idle_tokens=config.idle_tokens,
+            index=None if config.deterministic else PrefixIndex(),
         )
         self.identity_key = IdentityKey.from_stage(
             self.stage, model_digest=self.info.digest, runtime_abi=runtime_abi()
@@ -194,7 +210,7 @@ class Engine:
         """One throwaway decode: a fresh context's first `llama_decode` allocates its
         compute buffers, which would otherwise land on the first request's TTFT."""
         batch = Batch(1)
-        batch.add(0, [self.model.bos if self.model.bos >= 0 else 0], 0, True)
+        batch.add(0, [max(self.model.bos, 0)], 0, True)
         if self.ctx.decode(batch) != 0:
             raise RuntimeError("llama_decode failed on a one-token warm-up: the context is unusable")
         self.ctx.seq_rm(0, -1, -1)
@@ -289,7 +305,7 @@ class Engine:
         return future.result(timeout)
 
     def clear_cache(self) -> int:
-        """Evict every resident entry; returns how many."""
+        """Evict every resident entry and empty the host tier; returns how many resident entries went."""
         return self.call(self.pool.evict_all)
 
     def stats(self) -> EngineStats:
@@ -309,6 +325,7 @@ class Engine:
             used_cells=self.pool.ledger.used_cells,
             reserved_cells=sum(lane.reserve for lane in lanes),
             cache=self.pool.cache.stats(),
+            host=self.pool.host.stats() if self.pool.host is not None else None,
             pool=replace(self.pool.counters),
             cache_mode=self.mode.value,
             steps=self._steps,
@@ -384,7 +401,7 @@ class Engine:
             lane = item.lane
             self.pool.steer(lane.seq_id, item.p0, item.p1 - item.p0, lane.reserve - item.p0, self._pad_seq, self._pad_batch)
         status = self.ctx.decode(self._batch)
-        if status == 1 and self.pool.evict_all():
+        if status == 1 and self.pool.drop_resident():
             # No slot despite the ledger's count (fragmentation or padding):
             # drop the cache rather than a request, and try once more.
             status = self.ctx.decode(self._batch)
@@ -395,6 +412,7 @@ class Engine:
         self.pool.decoded([(p.lane.seq_id, p.p0, p.p1) for p in planned])
         for item in planned:
             self._after_decode(item)
+        self.pool.shed_idle()
         if self.config.check_invariants:
             self._check_invariants()
         return True
@@ -432,23 +450,6 @@ class Engine:
     def _start_lane(self, waiting: _Waiting, reserve: int) -> None:
         request = waiting.handle.request
         seq_id = self._free_seq_ids.pop()
-        prefill_end = len(request.tokens) - 1
-        lookups = self.policy.candidate_token_counts(prefill_end) if self.mode.looks_up and request.lookup else []
-        records = (
-            self.policy.record_candidate_token_counts(prefill_end) if self.mode.records and request.record else []
-        )
-        whole = self._whole_prompt_identity(request)
-        if self.config.deterministic:
-            # A hit must end on the alignment grid so the lane's own cells
-            # start a fresh aligned run (see placement.py).
-            lookups = [n for n in lookups if n % self.policy.grid_tokens == 0]
-            records = [n for n in records if n % self.policy.grid_tokens == 0]
-        elif whole is not None and self.mode.records and request.record:
-            # The whole-prompt entry (recorded after the last token) serves
-            # every exact repeat the prefill-length entry would have served.
-            records = [n for n in records if n != prefill_end]
-        key = self.identity_key.with_namespace(request.namespace)
-        identities = prefix_identities(key, request.tokens[:prefill_end], set(lookups) | set(records))
         lane = Lane(
             seq_id=seq_id,
             handle=waiting.handle,
@@ -456,32 +457,62 @@ class Engine:
             sampler=Sampler(request.sampling),
             stream=TextStream(request.stop),
             reserve=reserve,
-            identities=identities,
-            record_lengths=records,
+            identities={},
+            record_lengths=[],
             t_submit=waiting.t_submit,
-            whole_prompt=whole if self.mode.records and request.record else None,
+            space=self.identity_key.with_namespace(request.namespace),
         )
         self._lanes.append(lane)
-        candidates = [identities[n] for n in lookups]
-        if whole is not None and self.mode.looks_up and request.lookup:
-            candidates.insert(0, whole)
-        hit = self.pool.attach(seq_id, candidates) if candidates else None
-        if hit is not None and hit is whole:
-            # An exact repeat: every cell is resident and the first token
-            # comes from the logits the cold run's last decode produced.
-            logits = self.pool.prompt_logits(whole)
-            assert logits is not None, "a resident whole-prompt entry lost its logits"
-            lane.n_past = lane.cached_tokens = len(request.tokens)
-            lane.identities, lane.record_lengths, lane.whole_prompt = {}, [], None
-            lane.t_first = time.perf_counter()
-            if request.keep_first_logits:
-                lane.first_logits = logits.copy()
-            self._take_token(lane, lane.sampler.sample_logits(logits))
-            return
-        if hit is not None:
-            lane.n_past = lane.cached_tokens = hit.token_count
-        if lane.n_past >= prefill_end:
+        if self.config.deterministic:
+            hit = self._attach_on_grid(lane)
+        else:
+            whole = self._whole_prompt_identity(request)
+            lane.whole_prompt = whole if self.mode.records and request.record else None
+            hit, exact_repeat = (
+                self.pool.attach_prompt(seq_id, whole, lane.space, request.tokens[: lane.prefill_end])
+                if self.mode.looks_up and request.lookup
+                else (0, False)
+            )
+            if exact_repeat:
+                assert whole is not None
+                self._answer_from_stored_logits(lane, whole)
+                return
+        lane.n_past = lane.cached_tokens = hit
+        if lane.n_past >= lane.prefill_end:
             self._prefill_done(lane)
+
+    def _attach_on_grid(self, lane: Lane) -> int:
+        """Deterministic mode: look up and record the policy's grid lengths only.
+
+        A hit must end on the alignment grid so the lane's own cells start a
+        fresh aligned run (see placement.py).
+        """
+        request = lane.request
+        grid = self.policy.grid_tokens
+        lookups = self.policy.candidate_token_counts(lane.prefill_end) if self.mode.looks_up and request.lookup else []
+        records = (
+            self.policy.record_candidate_token_counts(lane.prefill_end) if self.mode.records and request.record else []
+        )
+        lookups = [n for n in lookups if n % grid == 0]
+        lane.record_lengths = [n for n in records if n % grid == 0]
+        identities = prefix_identities(
+            lane.space, request.tokens[: lane.prefill_end], set(lookups) | set(lane.record_lengths)
+        )
+        lane.identities = {n: identities[n] for n in lane.record_lengths}
+        hit = self.pool.attach(lane.seq_id, [identities[n] for n in lookups]) if lookups else None
+        return hit.token_count if hit is not None else 0
+
+    def _answer_from_stored_logits(self, lane: Lane, whole: PrefixIdentity) -> None:
+        """An exact repeat: every cell is in place and the first token comes from
+        the logits the cold run's last decode produced."""
+        logits = self.pool.prompt_logits(whole)
+        assert logits is not None, "a cached whole-prompt entry lost its logits"
+        lane.n_past = lane.cached_tokens = len(lane.prompt)
+        lane.whole_prompt = None
+        lane.t_first = time.perf_counter()
+        if lane.request.keep_first_logits:
+            lane.first_logits = logits.copy()
+        self._take_token(lane, lane.sampler.sample_logits(logits))
 
     def _whole_prompt_identity(self, request: GenerationRequest) -> PrefixIdentity | None:
         """Identity of the whole prompt with its first-token logits (fast mode only).
@@ -507,7 +538,7 @@ class Engine:
                 logits = self.ctx.logits(item.row)
                 lane.first_logits = logits if lane.request.keep_first_logits else None
                 if lane.whole_prompt is not None:
-                    self.pool.record(lane.seq_id, lane.whole_prompt, logits)
+                    self.pool.record(lane.seq_id, lane.whole_prompt, logits, indexed=(lane.space, lane.prompt))
                     lane.whole_prompt = None
         self._take_token(lane, lane.sampler.sample(self.ctx, item.row))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -48,6 +49,8 @@ class Lane:
     first_logits: np.ndarray | None = None
     #: Recorded with its first-token logits right after the last prompt token's decode.
     whole_prompt: PrefixIdentity | None = None
+    #: The identity of everything but the tokens: where the prefix index files this prompt.
+    space: Hashable | None = None
 
     @property
     def request(self) -> GenerationRequest:

@@ -184,6 +184,24 @@ class NativeContext:
     def state_seq_size(self, seq_id: int) -> int:
         return int(ll.llama_state_seq_get_size(self.ptr, seq_id))
 
+    def state_seq_get(self, seq_id: int) -> bytearray:
+        """The sequence's exact state (its cells' positions and K/V rows), written straight into a new buffer."""
+        size = self.state_seq_size(seq_id)
+        buf = bytearray(size)
+        written = ll.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(buf), size, seq_id)
+        if written != size:
+            raise NativeError(f"llama_state_seq_get_data wrote {written} of {size} bytes for seq {seq_id}")
+        return buf
+
+    def state_seq_set(self, seq_id: int, payload: bytes | bytearray) -> bool:
+        """Replace `seq_id` with a saved state in free cells; False if llama.cpp refused (no room, bad data)."""
+        n = len(payload)
+        if isinstance(payload, bytearray):
+            src = (ctypes.c_uint8 * n).from_buffer(payload)
+        else:
+            src = (ctypes.c_uint8 * n).from_buffer_copy(payload)
+        return int(ll.llama_state_seq_set_data(self.ptr, src, n, seq_id)) == n
+
     def close(self) -> None:
         if self.ptr:
             ll.llama_free(self.ptr)

@@ -73,7 +73,7 @@ class ServerMetrics:
 
 
 class EngineCollector(Collector):
-    """The engine's lanes, queue, cell pool and cache, read at scrape time."""
+    """The engine's lanes, queue, cell pool, cache and host tier, read at scrape time."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -81,6 +81,7 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats()
         c = s.cache
+        host = s.host
         gauges = {
             "skippy_lanes_total": ("Execution lanes", s.lanes_total),
             "skippy_lanes_busy": ("Lanes running a request", s.lanes_busy),
@@ -94,6 +95,13 @@ class EngineCollector(Collector):
             "skippy_cache_max_entries": ("Entry budget", c.max_entries),
             "skippy_cache_max_resident_tokens": ("Resident token cap (0: none)", c.max_resident_tokens),
             "skippy_cache_max_bytes": ("Byte cap (0: none)", c.max_bytes),
+            "skippy_cache_host_entries": (
+                "Exact KV states held in the host tier", host.entries if host is not None else 0
+            ),
+            "skippy_cache_host_bytes": ("Bytes held by the host tier", host.bytes if host is not None else 0),
+            "skippy_cache_host_max_bytes": (
+                "Host tier byte budget (0: no host tier)", host.max_bytes if host is not None else 0
+            ),
             "skippy_cache_lookup_hit_ratio": (
                 "Lookups that found a resident prefix / lookups",
                 s.pool.hits / s.pool.lookups if s.pool.lookups else 0.0,
@@ -107,6 +115,18 @@ class EngineCollector(Collector):
             "skippy_cache_records": ("Prefix entries recorded", c.records),
             "skippy_cache_evictions": ("Entries evicted (budgets and free-cell pressure)", c.evictions),
             "skippy_cache_uncacheable": ("Records refused as larger than a budget", c.uncacheable),
+            "skippy_cache_host_hits": (
+                "Lookups served by restoring a state from the host tier (also in skippy_cache_hits)",
+                s.pool.host_hits,
+            ),
+            "skippy_cache_demotions": ("Evicted entries whose state was copied to the host tier", s.pool.demotions),
+            "skippy_cache_idle_evictions": (
+                "Entries evicted for sitting unused while the pool decoded idle_tokens tokens",
+                s.pool.idle_evictions,
+            ),
+            "skippy_cache_restore_failures": (
+                "Host tier restores llama.cpp refused (served as misses)", s.pool.restore_failures
+            ),
             "skippy_engine_steps": ("Engine steps (one llama_decode each)", s.steps),
             "skippy_engine_decode_failures": ("llama_decode calls that failed", s.decode_failures),
         }

@@ -21,6 +21,14 @@ from skippy_cache.server.settings import ServerSettings
 log = logging.getLogger("skippy_cache.server")
 
 
+def _host_tier_line(engine: Engine) -> str:
+    if engine.pool.host is None:
+        return "off (deterministic mode)" if engine.config.deterministic and engine.config.host_cache_bytes else "off"
+    idle = engine.config.idle_tokens
+    leaves = f"after {idle} idle tokens" if idle else "only when their cells are needed"
+    return f"{engine.pool.host.max_bytes // (1 << 20)} MiB of RAM; entries leave the pool {leaves}"
+
+
 def startup_report(engine: Engine, settings: ServerSettings) -> str:
     """The one block logged at start: model, pool, derived cache budgets."""
     info, budgets, policy, cfg = engine.info, engine.cache_config, engine.policy, engine.config
@@ -45,6 +53,7 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
         f"            reserved sequences 0..{budgets.reserved_seq_count - 1} (lanes), "
         f"min_tokens {policy.min_tokens}, stride {policy.stride_tokens}, "
         f"record limit {policy.record_limit or 'all'}",
+        f"  host tier {_host_tier_line(engine)}",
         f"  requests  queue {cfg.max_queue}, chat max_tokens default {settings.default_max_tokens}, "
         f"model names {info.model_id!r} or {settings.model_alias!r}, {auth}",
         f"  listen    http://{settings.host}:{settings.port}",

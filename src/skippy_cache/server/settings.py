@@ -53,6 +53,10 @@ class ServerSettings:
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     model_alias: str = DEFAULT_MODEL_ALIAS
     log_level: str = "info"
+    #: Host RAM for exact KV states demoted from the pool (0: no host tier).
+    host_cache_mib: int = 2048
+    #: Demote an entry once the pool decodes this many tokens without using it (0: only under pressure).
+    idle_tokens: int = 256
     cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
 
     def engine_config(self) -> EngineConfig:
@@ -64,6 +68,8 @@ class ServerSettings:
             cache=self.cache,
             deterministic=self.deterministic,
             max_queue=self.queue_size,
+            host_cache_bytes=self.host_cache_mib * 1024 * 1024,
+            idle_tokens=self.idle_tokens,
         )
 
 
@@ -178,6 +184,12 @@ OPTIONS: tuple[Option, ...] = (
            f"a second name requests may use for the model (default {DEFAULT_MODEL_ALIAS!r})", "NAME"),
     Option("log_level", "--log-level", "SKIPPY_LOG_LEVEL", "log_level", _log_level,
            "critical, error, warning, info, debug or trace (default info)", "LEVEL"),
+    Option("host_cache_mib", "--host-cache-mib", "SKIPPY_HOST_CACHE_MIB", "host_cache_mib", _int(0),
+           "host RAM in MiB for exact KV states demoted from the pool; 0 turns the host tier off "
+           "(default 2048; unused with --deterministic)", "N"),
+    Option("idle_tokens", "--idle-tokens", "SKIPPY_IDLE_TOKENS", "idle_tokens", _int(0),
+           "demote an entry to the host tier once the pool has decoded this many tokens without using it; "
+           "0: only when its cells are needed (default 256)", "N"),
     # The core's cache settings; the environment names are the core's own
     # (StageKvCacheConfig.from_env reads them).
     Option("cache.mode", "--cache-mode", "SKIPPY_KV_CACHE", "mode", _wrap(parse_cache_mode),

@@ -16,6 +16,7 @@ def cache_report(engine: Engine) -> dict:
     s = engine.stats()
     budgets = engine.cache_config
     policy = engine.policy
+    config = engine.config
     return {
         "mode": s.cache_mode,
         "budgets": {
@@ -28,8 +29,12 @@ def cache_report(engine: Engine) -> dict:
             "stride_tokens": policy.stride_tokens,
             "record_limit": policy.record_limit,
             "grid_tokens": policy.grid_tokens,
+            "host_cache_bytes": config.host_cache_bytes,
+            "idle_tokens": config.idle_tokens,
         },
         "cache": dataclasses.asdict(s.cache),
+        # None when there is no host tier (host_cache_bytes 0, or deterministic mode).
+        "host": dataclasses.asdict(s.host) if s.host is not None else None,
         "pool": {
             "n_ctx": s.n_ctx,
             "used_cells": s.used_cells,
