@@ -6,14 +6,12 @@ server of its own, small enough that one idle entry is demoted on cue.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import pytest
 from live_server import LiveServer, run_server, warm_up
 from openai.types import Completion
 
-from skippy_cache.config import StageKvCacheConfig
 from skippy_cache.runtime.engine import Engine
 from skippy_cache.server import ServerSettings
 from skippy_cache.server.metrics import EngineCollector
@@ -125,10 +123,8 @@ def test_cache_endpoint_reports_budgets_and_stats(server: LiveServer) -> None:
 
 @pytest.fixture(scope="module")
 def host_server() -> Iterator[LiveServer]:
-    # record_limit 1: a prompt is recorded once, whole (with its first-token logits).
-    cache = dataclasses.replace(StageKvCacheConfig(), shared_prefix_record_limit=1)
-    settings = ServerSettings(ctx_size=1024, lanes=1, queue_size=4, host_cache_mib=HOST_MIB,
-                              idle_tokens=IDLE_TOKENS, cache=cache)
+    # Fast mode records one entry per prompt: the whole prompt, with its first-token logits.
+    settings = ServerSettings(ctx_size=1024, lanes=1, queue_size=4, host_cache_mib=HOST_MIB, idle_tokens=IDLE_TOKENS)
     engine = Engine(settings.engine_config())
     warm_up(engine)
     try:

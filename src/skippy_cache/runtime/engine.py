@@ -1,12 +1,13 @@
 """The engine: one thread that owns llama.cpp, the lanes and the resident cache.
 
 A step is schedule -> decode -> post-process:
-- admit waiting requests onto free lanes (FIFO), attaching the longest resident
-  prefix to each new lane;
+- admit waiting requests onto free lanes (FIFO), attaching the longest cached
+  prefix to each new lane (copied if resident, restored if in the host tier);
 - build one batch with every decoding lane's next token and prefill chunks
   (ending on the record grid) of the rest, up to `n_batch` tokens (scheduler.py);
-- evict LRU cache entries until the batch's cells are free, then `llama_decode`;
-- sample, stream, record finished prefills into the cache, free finished lanes.
+- evict (demote) LRU cache entries until the batch's cells are free, then `llama_decode`;
+- sample, stream, record finished prompts into the cache, free finished lanes,
+  and demote entries that sat idle (kvpool.py).
 
 Callers (HTTP handlers, tests, benchmarks) only `submit` and receive events.
 """
