@@ -34,9 +34,10 @@ from skippy_cache.config import (
 )
 from skippy_cache.family import resolve_mode
 from skippy_cache.host import HostTier, HostTierStats
-from skippy_cache.identity import IdentityKey, PrefixIdentity, prefix_identities, prefix_identity
+from skippy_cache.identity import IdentityKey
 from skippy_cache.radix import PrefixIndex
 from skippy_cache.resident import ResidentCacheStats, ResidentPrefixCache
+from skippy_cache.runtime.cachepath import CachePath
 from skippy_cache.runtime.gguf_info import GgufInfo, default_model_path, read_gguf_info
 from skippy_cache.runtime.kvpool import KvPool, PoolCounters
 from skippy_cache.runtime.lane import Lane, Phase
@@ -178,10 +179,9 @@ class Engine:
         self.identity_key = IdentityKey.from_stage(
             self.stage, model_digest=self.info.digest, runtime_abi=runtime_abi()
         )
-        # Whole-prompt entries hold the last prompt token's cell too, decoded on
-        # its own step: a separate key keeps a longer prompt from reusing that
-        # cell as if it had been computed inside a prefill chunk.
-        self._whole_prompt_key = replace(self.identity_key, extra=(("entry", "whole-prompt"),))
+        self.cache_path = CachePath(
+            self.pool, self.identity_key, self.policy, self.mode, deterministic=config.deterministic
+        )
         self._batch = Batch(config.n_batch)
         self._warm_up()
         self._planner = StepPlanner(self._batch, self.policy.grid_tokens, deterministic=config.deterministic)
@@ -458,73 +458,20 @@ class Engine:
             sampler=Sampler(request.sampling),
             stream=TextStream(request.stop),
             reserve=reserve,
-            identities={},
-            record_lengths=[],
             t_submit=waiting.t_submit,
-            space=self.identity_key.with_namespace(request.namespace),
+            space=self.cache_path.space(request),
         )
         self._lanes.append(lane)
-        if self.config.deterministic:
-            hit = self._attach_on_grid(lane)
-        else:
-            whole = self._whole_prompt_identity(request)
-            lane.whole_prompt = whole if self.mode.records and request.record else None
-            hit, exact_repeat = (
-                self.pool.attach_prompt(seq_id, whole, lane.space, request.tokens[: lane.prefill_end])
-                if self.mode.looks_up and request.lookup
-                else (0, False)
-            )
-            if exact_repeat:
-                assert whole is not None
-                self._answer_from_stored_logits(lane, whole)
-                return
-        lane.n_past = lane.cached_tokens = hit
-        if lane.n_past >= lane.prefill_end:
+        logits = self.cache_path.attach(lane)
+        if logits is not None:
+            # An exact repeat: every cell is in place and the first token comes
+            # from the logits the cold run's last decode produced.
+            lane.t_first = time.perf_counter()
+            if request.keep_first_logits:
+                lane.first_logits = logits.copy()
+            self._take_token(lane, lane.sampler.sample_logits(logits))
+        elif lane.n_past >= lane.prefill_end:
             self._prefill_done(lane)
-
-    def _attach_on_grid(self, lane: Lane) -> int:
-        """Deterministic mode: look up and record the policy's grid lengths only.
-
-        A hit must end on the alignment grid so the lane's own cells start a
-        fresh aligned run (see placement.py).
-        """
-        request = lane.request
-        grid = self.policy.grid_tokens
-        lookups = self.policy.candidate_token_counts(lane.prefill_end) if self.mode.looks_up and request.lookup else []
-        records = (
-            self.policy.record_candidate_token_counts(lane.prefill_end) if self.mode.records and request.record else []
-        )
-        lookups = [n for n in lookups if n % grid == 0]
-        lane.record_lengths = [n for n in records if n % grid == 0]
-        identities = prefix_identities(
-            lane.space, request.tokens[: lane.prefill_end], set(lookups) | set(lane.record_lengths)
-        )
-        lane.identities = {n: identities[n] for n in lane.record_lengths}
-        hit = self.pool.attach(lane.seq_id, [identities[n] for n in lookups]) if lookups else None
-        return hit.token_count if hit is not None else 0
-
-    def _answer_from_stored_logits(self, lane: Lane, whole: PrefixIdentity) -> None:
-        """An exact repeat: every cell is in place and the first token comes from
-        the logits the cold run's last decode produced."""
-        logits = self.pool.prompt_logits(whole)
-        assert logits is not None, "a cached whole-prompt entry lost its logits"
-        lane.n_past = lane.cached_tokens = len(lane.prompt)
-        lane.whole_prompt = None
-        lane.t_first = time.perf_counter()
-        if lane.request.keep_first_logits:
-            lane.first_logits = logits.copy()
-        self._take_token(lane, lane.sampler.sample_logits(logits))
-
-    def _whole_prompt_identity(self, request: GenerationRequest) -> PrefixIdentity | None:
-        """Identity of the whole prompt with its first-token logits (fast mode only).
-
-        Deterministic mode starts a lane's own cells on the grid, which a
-        whole-prompt entry (ending anywhere) cannot give.
-        """
-        wanted = (self.mode.looks_up and request.lookup) or (self.mode.records and request.record)
-        if not wanted or self.config.deterministic or len(request.tokens) < max(self.policy.min_tokens, 1):
-            return None
-        return prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
 
     def _after_decode(self, item: Planned) -> None:
         lane = item.lane
@@ -538,9 +485,7 @@ class Engine:
             if lane.request.keep_first_logits or lane.whole_prompt is not None:
                 logits = self.ctx.logits(item.row)
                 lane.first_logits = logits if lane.request.keep_first_logits else None
-                if lane.whole_prompt is not None:
-                    self.pool.record(lane.seq_id, lane.whole_prompt, logits, indexed=(lane.space, lane.prompt))
-                    lane.whole_prompt = None
+                self.cache_path.first_logits(lane, logits)
         self._take_token(lane, lane.sampler.sample(self.ctx, item.row))
 
     def _take_token(self, lane: Lane, token: int) -> None:
@@ -560,9 +505,7 @@ class Engine:
             lane.next_token = token
 
     def _prefill_done(self, lane: Lane) -> None:
-        for n in lane.record_lengths:
-            self.pool.record(lane.seq_id, lane.identities[n])
-        lane.identities = {}
+        self.cache_path.prefill_done(lane)
         lane.phase = Phase.LAST_TOKEN
         lane.next_token = lane.prompt[-1]
 

@@ -35,8 +35,6 @@ class Lane:
     stream: TextStream
     #: Cells this request may come to hold: prompt plus max_tokens.
     reserve: int
-    identities: dict[int, PrefixIdentity]
-    record_lengths: list[int]
     t_submit: float
     t_admit: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
@@ -51,6 +49,9 @@ class Lane:
     whole_prompt: PrefixIdentity | None = None
     #: The identity of everything but the tokens: where the prefix index files this prompt.
     space: Hashable | None = None
+    #: Deterministic mode: grid lengths to record when prefill reaches them, and their identities.
+    record_lengths: list[int] = field(default_factory=list)
+    identities: dict[int, PrefixIdentity] = field(default_factory=dict)
 
     @property
     def request(self) -> GenerationRequest:
