@@ -16,22 +16,13 @@ lanes moves it too. This prints both, on 12 prompts (4 shared prefixes of
 from __future__ import annotations
 
 import argparse
-import random
 from pathlib import Path
+
+from runtime_bench import text_tokens
 
 from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
 from skippy_cache.runtime.engine import Engine, EngineConfig
 from skippy_cache.runtime.requests import GenerationRequest
-
-WORDS = ["system", "assistant", "policy", "user", "tool", "answer", "question", "context", "memory", "river", "garden", "planet", "number", "letter", "window", "silver", "engine", "careful", "summary", "document", "history", "sequence", "model", "layer", "token", "cache", "prefix", "exact"]
-
-
-def text_tokens(engine: Engine, n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    tokens: list[int] = []
-    while len(tokens) < n:
-        tokens += engine.tokenize(" " + " ".join(rng.choice(WORDS) for _ in range(200)), add_special=False)
-    return tokens[:n]
 
 
 def suite(engine: Engine) -> list[list[int]]:
