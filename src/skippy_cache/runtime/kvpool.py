@@ -151,28 +151,9 @@ class KvPool:
     # -- cache path ----------------------------------------------------------
 
     def attach(self, lane_seq: int, candidates: list[PrefixIdentity]) -> PrefixIdentity | None:
-        """Put the first cached candidate (callers order them longest first) onto an empty lane.
-
-        A resident entry is borrowed for the copy so no eviction can run between
-        the lookup and the `seq_cp`; cells are shared, nothing is copied. A
-        candidate found only in the host tier is restored onto the lane.
-        """
+        """Put the first cached candidate (callers order them longest first) onto an empty lane."""
         self.counters.lookups += 1
-        for prefix in candidates:
-            hit = self.cache.acquire(prefix.page_id)
-            if hit is not None:
-                try:
-                    self._seq_cp(hit.seq_id, lane_seq, prefix.token_count)
-                finally:
-                    self.cache.release(prefix.page_id)
-            elif self._restore(lane_seq, prefix.page_id):
-                self._promote(lane_seq, prefix)
-            else:
-                continue
-            self.counters.hits += 1
-            self.counters.hit_tokens += prefix.token_count
-            return prefix
-        return None
+        return self._attach_first(lane_seq, candidates)
 
     def attach_prompt(
         self, lane_seq: int, whole: PrefixIdentity | None, space: Hashable, prefix: Sequence[int]
@@ -186,38 +167,50 @@ class KvPool:
         length a resident entry wins (a `seq_cp`, not a restore).
         """
         assert self.index is not None, "attach_prompt() needs the prefix index (fast mode)"
-        if whole is not None and self.attach(lane_seq, [whole]) is not None:
+        self.counters.lookups += 1
+        if whole is not None and self._attach_first(lane_seq, [whole]) is not None:
             return whole.token_count, True
-        if whole is None:
-            self.counters.lookups += 1
         match = self.index.longest(space, prefix, prefer=self.cache, min_length=self.cache.config.min_tokens)
-        if match is None:
+        if match is None or self._put_on_lane(lane_seq, match.page_id, match.length) is None:
             return 0, False
-        n = match.length
-        hit = self.cache.acquire(match.page_id)
+        return match.length, False
+
+    def _attach_first(self, lane_seq: int, candidates: list[PrefixIdentity]) -> PrefixIdentity | None:
+        for prefix in candidates:
+            tier = self._put_on_lane(lane_seq, prefix.page_id, prefix.token_count)
+            if tier is None:
+                continue
+            if tier == "host":
+                # The whole entry came back: record it resident again, sharing
+                # the lane's cells, so the next repeat is a `seq_cp`.
+                self.record(lane_seq, prefix, self.prompt_logits(prefix))
+            return prefix
+        return None
+
+    def _put_on_lane(self, lane_seq: int, page_id: PageId, n: int) -> str | None:
+        """The entry's first `n` positions onto an empty lane; which tier it came from, None if neither.
+
+        A resident entry is borrowed for the copy so no eviction can run between
+        the lookup and the `seq_cp`; cells are shared, nothing is copied. A
+        host entry is restored whole, then trimmed to `n`.
+        """
+        hit = self.cache.acquire(page_id)
         if hit is not None:
             try:
                 self._seq_cp(hit.seq_id, lane_seq, n)
             finally:
-                self.cache.release(match.page_id)
-        elif not self._restore(lane_seq, match.page_id, keep=n):
-            return 0, False
+                self.cache.release(page_id)
+            tier = "resident"
+        elif self._restore(lane_seq, page_id, keep=n):
+            tier = "host"
+        else:
+            return None
         self.counters.hits += 1
         self.counters.hit_tokens += n
-        return n, False
+        return tier
 
-    def _promote(self, lane_seq: int, prefix: PrefixIdentity) -> None:
-        """A whole host entry was restored onto a lane: record it resident again, sharing the
-        lane's cells, so the next repeat is a `seq_cp` rather than another restore."""
-        assert self.host is not None
-        entry = self.host.peek(prefix.page_id)
-        if entry is None:
-            return
-        logits = np.frombuffer(entry.logits, dtype=np.float32).copy() if entry.logits is not None else None
-        self.record(lane_seq, prefix, logits)
-
-    def _restore(self, lane_seq: int, page_id: PageId, keep: int | None = None) -> bool:
-        """Restore a host entry onto an empty lane, keeping its first `keep` positions (default: all)."""
+    def _restore(self, lane_seq: int, page_id: PageId, keep: int) -> bool:
+        """Restore a host entry onto an empty lane, keeping its first `keep` positions."""
         if self.host is None:
             return False
         entry = self.host.get(page_id)
@@ -235,11 +228,11 @@ class KvPool:
             self.counters.restore_failures += 1
             return False
         self.ledger.on_decode(lane_seq, 0, n)
-        if keep is not None and keep < n:
+        if keep < n:
             self.ctx.seq_rm(lane_seq, keep, -1)
             self.ledger.on_seq_rm(lane_seq, keep, -1)
         self.counters.host_hits += 1
-        self.counters.host_hit_tokens += min(n, keep if keep is not None else n)
+        self.counters.host_hit_tokens += min(keep, n)
         return True
 
     def prompt_logits(self, prompt: PrefixIdentity) -> np.ndarray | None:
@@ -298,8 +291,9 @@ class KvPool:
     def evict_all(self) -> int:
         """Drop every resident entry and forget the host tier (an operator's "clear")."""
         if self.host is not None:
-            for page_id in self.host.pages():
-                self.host.discard(page_id)
+            pages = self.host.pages()
+            self.host.clear()
+            for page_id in pages:
                 self._unindex_if_gone(page_id)
         return len(self.cache.clear(self._drop))
 
