@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fastmode import assert_logits_close
 from prompts import make_tokens
 
 from skippy_cache.host import HostEntry
@@ -93,7 +94,8 @@ def test_a_payload_llama_cpp_refuses_is_served_as_a_miss(engine):
     # Each refused payload is dropped from the host tier and the prompt is computed from scratch.
     assert stats.pool.restore_failures >= failures + 1
     assert again.stats.cached_tokens == 0
-    assert again.tokens[0] == cold.tokens[0]
+    # Recomputed beside another pool: the same logits within fast mode's noise.
+    assert_logits_close(again.first_logits, cold.first_logits, "recomputed vs cold logits")
     assert engine.invariant_failures == []
 
 

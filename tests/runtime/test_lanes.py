@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+from fastmode import LOGIT_TOLERANCE, assert_logits_close, max_diff
 from prompts import make_tokens
 
 from skippy_cache.runtime.native import SamplingParams
@@ -26,10 +27,8 @@ def test_concurrent_lanes_are_isolated_in_fast_mode(fast_engine):
     """4 prompts prefilled and decoded in shared batches give what each gives alone.
 
     Fast mode batches lanes together, which moves the last float bits
-    (EXACTNESS.md), so the first-token logits are compared within a tolerance
-    far below what attending to another lane's cells causes (several units).
-    Later greedy tokens are not compared: on these word-salad prompts the top
-    two candidates are often within that float noise.
+    (fastmode.py), so the first-token logits are compared within a tolerance:
+    a lane that attended to another lane's cells would be off by several units.
     """
     requests = [
         GenerationRequest(
@@ -39,31 +38,35 @@ def test_concurrent_lanes_are_isolated_in_fast_mode(fast_engine):
     ]
     solo = [fast_engine.generate(r) for r in requests]
     together = fast_engine.generate_many(requests)
-    for alone, shared in zip(solo, together):
+    for i, (alone, shared) in enumerate(zip(solo, together)):
         assert shared.stats.cached_tokens == 0
-        assert int(np.argmax(alone.first_logits)) == int(np.argmax(shared.first_logits))
-        assert float(np.abs(alone.first_logits - shared.first_logits).max()) < 1.5
+        assert_logits_close(alone.first_logits, shared.first_logits, f"lane {i}: alone vs batched logits")
+    # The tolerance discriminates: different prompts' logits are far apart.
+    assert max_diff(solo[0].first_logits, solo[1].first_logits) > 3 * LOGIT_TOLERANCE
 
 
-def test_seeded_sampling_is_reproducible_and_differs_from_greedy(fast_engine):
-    tokens = make_tokens(fast_engine, 40, seed=70)
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(exact_engine):
+    # Reproducibility of a seed is compared in deterministic mode, where the
+    # logits it samples from are the same bit for bit on every run.
+    tokens = make_tokens(exact_engine, 40, seed=70)
     sampling = SamplingParams(temperature=1.5, top_k=50, top_p=0.95, min_p=0.01, seed=1234)
-    a = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=24, sampling=sampling, record=False))
-    b = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=24, sampling=sampling, record=False))
-    greedy = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=24, record=False))
+    a = exact_engine.generate(GenerationRequest(tokens=tokens, max_tokens=24, sampling=sampling, record=False))
+    b = exact_engine.generate(GenerationRequest(tokens=tokens, max_tokens=24, sampling=sampling, record=False))
+    greedy = exact_engine.generate(GenerationRequest(tokens=tokens, max_tokens=24, record=False))
     assert a.tokens == b.tokens
     assert a.tokens != greedy.tokens
 
 
-def test_stop_string_and_max_tokens(fast_engine):
-    tokens = make_tokens(fast_engine, 40, seed=71)
-    full = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=20, record=False))
+def test_stop_string_and_max_tokens(exact_engine):
+    # Two greedy runs compared token for token: deterministic mode.
+    tokens = make_tokens(exact_engine, 40, seed=71)
+    full = exact_engine.generate(GenerationRequest(tokens=tokens, max_tokens=20, record=False))
     assert full.finish_reason is FinishReason.LENGTH
     assert len(full.tokens) == 20
     words = full.text.split()
     assert len(words) >= 3, full.text
     stop = words[2]
-    cut = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=20, stop=(stop,), record=False))
+    cut = exact_engine.generate(GenerationRequest(tokens=tokens, max_tokens=20, stop=(stop,), record=False))
     assert cut.finish_reason is FinishReason.STOP
     assert cut.text == full.text[: full.text.index(stop)]
 
@@ -81,12 +84,16 @@ def test_request_figures_are_reported(fast_engine):
 
 def test_whole_prompt_hit_samples_like_a_cold_run(fast_engine):
     # The repeat samples its first token from the kept logits (no decode):
-    # with a seeded chain it must draw exactly what the cold run drew.
+    # with a seeded chain it must draw exactly what the cold run drew. Later
+    # tokens decode on other cells beside another pool, so fast mode does not
+    # promise them bit for bit.
     fast_engine.clear_cache()
     tokens = make_tokens(fast_engine, 120, seed=73)
     sampling = SamplingParams(temperature=1.2, top_k=40, top_p=0.9, seed=99)
-    cold = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=12, sampling=sampling))
-    warm = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=12, sampling=sampling))
+    request = GenerationRequest(tokens=tokens, max_tokens=12, sampling=sampling, keep_first_logits=True)
+    cold = fast_engine.generate(request)
+    warm = fast_engine.generate(request)
     assert cold.stats.cached_tokens == 0
     assert warm.stats.cached_tokens == len(tokens)
-    assert warm.tokens == cold.tokens
+    assert np.array_equal(warm.first_logits, cold.first_logits)
+    assert warm.tokens[0] == cold.tokens[0]

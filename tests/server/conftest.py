@@ -36,6 +36,23 @@ def server(engine: Engine) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="session")
+def exact_server() -> Iterator[LiveServer]:
+    """A deterministic-mode server: for tests that compare greedy text across runs.
+
+    The session server runs in fast mode, where batching, threads and pool
+    occupancy move the logits' last bits and may flip a greedy choice between
+    two runs of one prompt; deterministic mode gives the same text every time.
+    """
+    settings = ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=16, deterministic=True)
+    engine = Engine(settings.engine_config())
+    warm_up(engine)
+    try:
+        yield from run_server(engine, settings)
+    finally:
+        engine.close(drain=False)
+
+
+@pytest.fixture(scope="session")
 def key_server(engine: Engine) -> Iterator[LiveServer]:
     """The same engine behind a second app that requires an API key."""
     settings = ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE, api_key=API_KEY)

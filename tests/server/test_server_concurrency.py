@@ -14,13 +14,9 @@ solo pass.)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
-from live_server import LiveServer, run_server, warm_up
-
-from skippy_cache.runtime.engine import Engine
-from skippy_cache.server import ServerSettings
+from live_server import LiveServer
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -35,17 +31,6 @@ def prompt(i: int, topic: str) -> str:
     if i % 2:
         body = f"Background on {topic}: " + " ".join(f"note {k} on {topic}." for k in range(20)) + " " + body
     return body
-
-
-@pytest.fixture(scope="module")
-def exact_server() -> Iterator[LiveServer]:
-    settings = ServerSettings(ctx_size=2048, lanes=4, queue_size=16, deterministic=True)
-    engine = Engine(settings.engine_config())
-    warm_up(engine)
-    try:
-        yield from run_server(engine, settings)
-    finally:
-        engine.close(drain=False)
 
 
 async def _stream_text(server: LiveServer, text: str) -> tuple[str, int]:
