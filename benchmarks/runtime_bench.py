@@ -49,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
 
     engine = Engine(EngineConfig(model_path=args.model, ctx_size=args.ctx_size))
-    print(f"model {engine.info.model_id}, n_ctx {engine.n_ctx}, threads {engine.threads}, runs {args.runs}\n")
+    print(f"model {engine.info.model.model_id}, n_ctx {engine.info.n_ctx}, threads {engine.info.threads}, runs {args.runs}\n")
     print(f"{'prompt':>12} {'case':>5} {'median ms':>9} {'min':>9} {'max':>9}   cached")
     rows = []
     for n in (128, 2000):
@@ -92,7 +92,7 @@ def main() -> None:
     print(f"  rounds 2-3 TTFT median {statistics.median(later):.1f} ms "
           f"({statistics.median(rounds[0]) / statistics.median(later):.1f}x faster)")
     print(f"  hit rate {hits}/{total} = {hits / total:.0%}, cached tokens {cached_tokens / prompt_tokens:.0%} of prompt tokens")
-    print(f"  wall time {wall:.1f} s for {total} requests; {engine.stats().pool.host_hits} hits restored from the host tier")
+    print(f"  wall time {wall:.1f} s for {total} requests; {engine.stats().cache.counters.host_hits} hits restored from the host tier")
     engine.close()
 
 

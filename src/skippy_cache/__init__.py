@@ -4,7 +4,7 @@ The names here are the pure core: no llama.cpp, sockets or threads. The
 runtime lives in `skippy_cache.runtime`, the HTTP server in `skippy_cache.server`.
 """
 
-from skippy_cache.cells import CellLedger, Segment
+from skippy_cache.cells import CellMap
 from skippy_cache.config import (
     LLAMA_MAX_SEQ,
     MIN_CTX_FOR_CELL_CAP,
@@ -40,7 +40,7 @@ __all__ = [
     "LLAMA_MAX_SEQ",
     "MIN_CTX_FOR_CELL_CAP",
     "NO_SEQ",
-    "CellLedger",
+    "CellMap",
     "IdentityKey",
     "PageId",
     "PrefixCandidatePolicy",
@@ -54,7 +54,6 @@ __all__ = [
     "ResidentEviction",
     "ResidentLookup",
     "ResidentPrefixCache",
-    "Segment",
     "SeqId",
     "StageConfig",
     "StageKvCacheConfig",

@@ -133,7 +133,11 @@ _UINT_ENV_FIELDS = (
 
 @dataclass(frozen=True, kw_only=True)
 class StageConfig:
-    """What one serving stage runs: the model, its layer range and its context."""
+    """What one serving stage runs: the model, its layer range and its context.
+
+    The seed's `n_gpu_layers`, `model_path` and `n_batch` are left out: nothing
+    here reads them (the engine's own config builds the llama.cpp context).
+    """
 
     stage_id: str = "stage-0"
     stage_index: int = 0
@@ -145,11 +149,8 @@ class StageConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     flash_attn: bool = True
-    n_gpu_layers: int = 0
     kv_unified: bool = True
     model_id: str = ""
-    model_path: str = ""
-    n_batch: int = 512
 
 
 def derive_max_resident_tokens(ctx_size: int) -> int:

@@ -3,8 +3,8 @@
 Every cell resident in llama.cpp's unified pool widens the KV view of every
 decode (the CPU flash-attention kernel walks the whole view, masked or not),
 so an entry nobody is using costs every other request time. Demoting it here
-frees its cells; restoring it (`llama_state_seq_set_data`) costs a copy, about
-1/170 of recomputing it on the reference machine.
+frees its cells; restoring it (`llama_state_seq_set_data`) costs a copy, a
+small fraction of recomputing it (the README gives the figures).
 
 Books only: the payload is whatever bytes the runtime got from
 `llama_state_seq_get_data`, keyed by the same page id the resident entry had,
@@ -41,8 +41,6 @@ class HostTierStats:
     entries: int
     bytes: int
     max_bytes: int
-    hits: int
-    misses: int
     puts: int
     evictions: int
     #: Payloads larger than the whole tier, never stored.
@@ -58,8 +56,6 @@ class HostTier:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[PageId, HostEntry] = OrderedDict()
         self._bytes = 0
-        self._hits = 0
-        self._misses = 0
         self._puts = 0
         self._evictions = 0
         self._rejected = 0
@@ -75,17 +71,14 @@ class HostTier:
         return list(self._entries)
 
     def get(self, page_id: PageId) -> HostEntry | None:
-        """The entry (now the most recently used), counting a hit or a miss."""
+        """The entry, now the most recently used (a use: the caller restores it)."""
         entry = self._entries.get(page_id)
-        if entry is None:
-            self._misses += 1
-            return None
-        self._entries.move_to_end(page_id)
-        self._hits += 1
+        if entry is not None:
+            self._entries.move_to_end(page_id)
         return entry
 
     def peek(self, page_id: PageId) -> HostEntry | None:
-        """The entry, without touching recency or counters."""
+        """The entry, without touching recency."""
         return self._entries.get(page_id)
 
     def touch(self, page_id: PageId) -> bool:
@@ -135,8 +128,6 @@ class HostTier:
             entries=len(self._entries),
             bytes=self._bytes,
             max_bytes=self.max_bytes,
-            hits=self._hits,
-            misses=self._misses,
             puts=self._puts,
             evictions=self._evictions,
             rejected=self._rejected,

@@ -11,7 +11,9 @@ Invariants, checked by `check_invariants` and the property tests:
 - entries (committed plus pending) <= `max_entries`;
 - booked bytes <= `max_bytes` and booked tokens <= `max_resident_tokens`
   whenever those caps are set (> 0);
-- a borrowed entry is never evicted and never handed out twice.
+- a pending entry (allocated, not yet committed) is never evicted;
+- an evicted entry stays booked until `drop_evicted` has returned, so its id
+  is never handed out while its native cells may still be held.
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ class _Entry:
     last_used: int
     #: The work clock (tokens decoded by the pool) when the entry was last used.
     used_at_work: int = 0
-    borrowed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +83,7 @@ class ResidentCacheStats:
     max_entries: int
     max_bytes: int
     max_resident_tokens: int
-    borrowed: int
     pending: int
-    hits: int
-    misses: int
     records: int
     evictions: int
     uncacheable: int
@@ -108,8 +106,6 @@ class ResidentPrefixCache:
         self._work = 0
         self._tokens = 0
         self._bytes = 0
-        self._hits = 0
-        self._misses = 0
         self._records = 0
         self._evictions = 0
         self._uncacheable = 0
@@ -123,37 +119,24 @@ class ResidentPrefixCache:
         return page_id in self._entries
 
     def peek(self, page_id: PageId) -> ResidentLookup | None:
-        """The entry, without touching recency or counters."""
+        """The entry, without touching recency or the idle clock."""
         entry = self._entries.get(page_id)
         if entry is None:
             return None
         return ResidentLookup(page_id, entry.seq_id, entry.token_count)
 
-    def lookup(self, page_id: PageId) -> ResidentLookup | None:
-        """A hit unless absent or borrowed; a hit becomes the most recently used."""
+    def touch(self, page_id: PageId) -> ResidentLookup | None:
+        """The entry, marked as used: it becomes the most recently used and its idle count restarts.
+
+        Counts nothing: the runtime keeps the one hit counter.
+        """
         self._tick()
         entry = self._entries.get(page_id)
-        if entry is None or entry.borrowed:
-            self._misses += 1
+        if entry is None:
             return None
-        self._hits += 1
         entry.last_used = self._clock
         entry.used_at_work = self._work
         return ResidentLookup(page_id, entry.seq_id, entry.token_count)
-
-    def acquire(self, page_id: PageId) -> ResidentLookup | None:
-        """Like `lookup`, and holds the entry (never evicted) until `release`."""
-        hit = self.lookup(page_id)
-        if hit is not None:
-            self._entries[page_id].borrowed = True
-        return hit
-
-    def release(self, page_id: PageId) -> None:
-        self._tick()
-        entry = self._entries.get(page_id)
-        if entry is None or not entry.borrowed:
-            raise ResidentCacheError(f"release of {page_id!r}, which is not borrowed")
-        entry.borrowed = False
 
     def stats(self) -> ResidentCacheStats:
         return ResidentCacheStats(
@@ -163,10 +146,7 @@ class ResidentPrefixCache:
             max_entries=self.config.max_entries,
             max_bytes=self.config.max_bytes,
             max_resident_tokens=self.config.max_resident_tokens,
-            borrowed=sum(1 for e in self._entries.values() if e.borrowed),
             pending=len(self._pending),
-            hits=self._hits,
-            misses=self._misses,
             records=self._records,
             evictions=self._evictions,
             uncacheable=self._uncacheable,
@@ -188,8 +168,8 @@ class ResidentPrefixCache:
     ) -> RecordAllocation:
         """Reserve a sequence id for a record, evicting LRU entries to fit the budgets.
 
-        Raises `ResidentCacheError` below `min_tokens`, when the budgets need an
-        eviction and every entry is borrowed, or when sequence ids run out. If
+        Raises `ResidentCacheError` below `min_tokens`, when the pending records
+        leave no room for this one, or when sequence ids run out. If
         `drop_evicted` raises, that entry stays booked (its native state may
         still be there) and the exception propagates.
         """
@@ -211,14 +191,14 @@ class ResidentPrefixCache:
             self._uncacheable += 1
             return RecordAllocation(NO_SEQ, (), should_save=False, reason="uncacheable")
 
-        held = [e for e in self._entries.values() if e.borrowed]
-        held_tokens = sum(e.token_count for e in held) + sum(p[1] for p in self._pending.values())
-        held_bytes = sum(e.estimated_bytes for e in held) + sum(p[2] for p in self._pending.values())
-        if self._exceeds(len(held) + len(self._pending) + 1, held_tokens + token_count, held_bytes + estimated_bytes):
+        # What no eviction can free: the pending records, plus this one.
+        floor_tokens = token_count + sum(p[1] for p in self._pending.values())
+        floor_bytes = estimated_bytes + sum(p[2] for p in self._pending.values())
+        if self._exceeds(len(self._pending) + 1, floor_tokens, floor_bytes):
             # Checked before evicting anything: evicting entries and then failing
             # would empty the cache for nothing.
             raise ResidentCacheError(
-                "no releasable entries: the borrowed and pending entries alone leave no room "
+                "no releasable entries: the pending entries alone leave no room "
                 f"({len(self._entries)} entries, {self._tokens} tokens, {self._bytes} bytes)"
             )
         evictions: list[ResidentEviction] = []
@@ -226,7 +206,7 @@ class ResidentPrefixCache:
             len(self._entries) + len(self._pending) + 1, self._tokens + token_count, self._bytes + estimated_bytes
         ):
             victim = self._lru_victim()
-            assert victim is not None, "the held-entries check above should have refused this record"
+            assert victim is not None, "the pending-entries check above should have refused this record"
             evictions.append(self._evict(victim, drop_evicted))
         seq_id = self._take_seq_id()
         self._pending[page_id] = (seq_id, token_count, estimated_bytes)
@@ -247,35 +227,15 @@ class ResidentPrefixCache:
         self._entries[page_id] = _Entry(seq_id, token_count, estimated_bytes, self._clock, self._work)
         self._records += 1
 
-    def abort_record(self, page_id: PageId) -> SeqId:
-        """Give back an allocation whose save failed; the runtime must have cleared the id."""
-        self._tick()
-        pending = self._pending.pop(page_id, None)
-        if pending is None:
-            raise ResidentCacheError(f"abort of {page_id!r}, which is not being recorded")
-        seq_id, tokens, nbytes = pending
-        self._tokens -= tokens
-        self._bytes -= nbytes
-        self._free_ids.append(seq_id)
-        return seq_id
-
     # -- eviction ------------------------------------------------------------
 
     def evict_one_lru_entry(self, drop_evicted: DropEvicted) -> ResidentEviction | None:
-        """Evict the least recently used free entry (to make cells for a decode), if any."""
+        """Evict the least recently used entry (to make cells for a decode), if any."""
         self._tick()
         victim = self._lru_victim()
         if victim is None:
             return None
         return self._evict(victim, drop_evicted)
-
-    def evict(self, page_id: PageId, drop_evicted: DropEvicted) -> ResidentEviction:
-        """Evict one named entry; it must not be borrowed."""
-        self._tick()
-        entry = self._entries.get(page_id)
-        if entry is None or entry.borrowed:
-            raise ResidentCacheError(f"cannot evict {page_id!r}: absent or borrowed")
-        return self._evict(page_id, drop_evicted)
 
     def advance_work(self, tokens: int) -> None:
         """The pool decoded `tokens` more tokens (each paid for every resident cell in its KV view)."""
@@ -284,7 +244,7 @@ class ResidentPrefixCache:
         self._work += tokens
 
     def evict_idle(self, idle_tokens: int, drop_evicted: DropEvicted) -> list[ResidentEviction]:
-        """Evict every free entry unused while the pool decoded more than `idle_tokens` tokens.
+        """Evict every entry unused while the pool decoded more than `idle_tokens` tokens.
 
         The rule is ski rental: an idle entry pays rent (its cells widen every
         decode) until the rent would exceed what bringing it back costs, then
@@ -297,12 +257,12 @@ class ResidentPrefixCache:
         idle = [
             (entry.used_at_work, entry.last_used, page_id)
             for page_id, entry in self._entries.items()
-            if not entry.borrowed and self._work - entry.used_at_work > idle_tokens
+            if self._work - entry.used_at_work > idle_tokens
         ]
         return [self._evict(page_id, drop_evicted) for _, _, page_id in sorted(idle)]
 
     def clear(self, drop_evicted: DropEvicted) -> list[ResidentEviction]:
-        """Evict every entry that is not borrowed."""
+        """Evict every committed entry, least recently used first (pending ones stay)."""
         evicted = []
         while (victim := self._lru_victim()) is not None:
             evicted.append(self._evict(victim, drop_evicted))
@@ -323,12 +283,7 @@ class ResidentPrefixCache:
         )
 
     def _lru_victim(self) -> PageId | None:
-        victim: PageId | None = None
-        oldest = 0
-        for page_id, entry in self._entries.items():
-            if not entry.borrowed and (victim is None or entry.last_used < oldest):
-                victim, oldest = page_id, entry.last_used
-        return victim
+        return min(self._entries, key=lambda page_id: self._entries[page_id].last_used, default=None)
 
     def _evict(self, page_id: PageId, drop_evicted: DropEvicted) -> ResidentEviction:
         entry = self._entries[page_id]

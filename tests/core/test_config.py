@@ -53,11 +53,8 @@ def test_stage_config_defaults() -> None:
         "cache_type_k": "f16",
         "cache_type_v": "f16",
         "flash_attn": True,
-        "n_gpu_layers": 0,
         "kv_unified": True,
         "model_id": "",
-        "model_path": "",
-        "n_batch": 512,
     }
 
 

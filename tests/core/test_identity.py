@@ -232,8 +232,6 @@ def test_identity_key_from_stage() -> None:
         flash_attn=False,
         kv_unified=True,
         model_id="m",
-        n_batch=64,
-        n_gpu_layers=7,
     )
     key = IdentityKey.from_stage(stage, model_digest="d", runtime_abi="abi", namespace="ns")
     assert key == IdentityKey(
@@ -252,8 +250,8 @@ def test_identity_key_from_stage() -> None:
         namespace="ns",
         extra=(),
     )
-    # Documented exclusions: n_batch, lane count and n_gpu_layers do not move the id.
-    other = dataclasses.replace(stage, n_batch=512, lane_count=1, n_gpu_layers=0, model_path="/elsewhere")
+    # Documented exclusion: the lane count does not move the id.
+    other = dataclasses.replace(stage, lane_count=1)
     assert IdentityKey.from_stage(other, model_digest="d", runtime_abi="abi", namespace="ns") == key
 
 

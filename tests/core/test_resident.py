@@ -1,4 +1,4 @@
-"""ResidentPrefixCache: lookup/acquire semantics, budgets, exact eviction order, and a model check."""
+"""ResidentPrefixCache: peek/touch semantics, budgets, exact eviction order, and a model check."""
 
 from __future__ import annotations
 
@@ -129,59 +129,21 @@ def test_zero_token_budget_never_evicts_on_tokens() -> None:
     assert (stats.entries, stats.resident_tokens, stats.evictions) == (12, 120_000, 0)
 
 
-# -- lookup / acquire / release -----------------------------------------------------------
+# -- peek / touch --------------------------------------------------------------------------
 
 
-def test_lookup_hits_and_misses_are_counted() -> None:
+def test_touch_and_peek_return_the_entry_and_count_nothing() -> None:
     cache = make_cache()
     record(cache, "a", 100)
-    assert cache.lookup(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
-    assert cache.lookup(P("zzz")) is None
+    before = cache.stats()
+    assert cache.touch(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
+    assert cache.touch(P("zzz")) is None
+    assert cache.peek(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
     assert cache.peek(P("zzz")) is None
-    stats = cache.stats()
-    assert (stats.hits, stats.misses) == (1, 1)
-    assert cache.peek(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
-    assert cache.stats() == stats  # peek counts nothing
-
-
-def test_borrowed_entry_is_not_returned_by_lookup() -> None:
-    cache = make_cache()
-    record(cache, "a", 100)
-    assert cache.acquire(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
-    assert cache.stats().borrowed == 1
-    assert cache.lookup(P("a")) is None
-    assert cache.acquire(P("a")) is None  # never handed out twice
-    assert cache.peek(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
-    assert P("a") in cache
-    cache.release(P("a"))
-    assert cache.stats().borrowed == 0
-    assert cache.lookup(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
-    stats = cache.stats()
-    assert (stats.hits, stats.misses) == (2, 2)
-
-
-@pytest.mark.parametrize("page", ["a", "absent"])
-def test_release_of_unborrowed_is_an_error(page: str) -> None:
-    cache = make_cache()
-    record(cache, "a", 100)
-    with pytest.raises(ResidentCacheError, match="not borrowed"):
-        cache.release(P(page))
-
-
-def test_borrowed_entry_is_not_evicted() -> None:
-    cache = make_cache(max_entries=2)
-    record(cache, "a", 100)
-    cache.acquire(P("a"))
-    record(cache, "b", 100)
-    assert pages(cache) == ["a", "b"]  # a is the least recently used, but borrowed
-    third = record(cache, "c", 100)
-    assert evicted(third) == ["b"]
-    assert pages(cache) == ["a", "c"]
-    assert cache.evict_one_lru_entry(Dropper(cache)) == ResidentEviction(P("c"), third.seq_id, 100, 0)
-    assert cache.evict_one_lru_entry(Dropper(cache)) is None
-    assert pages(cache) == ["a"]
-    with pytest.raises(ResidentCacheError, match="absent or borrowed"):
-        cache.evict(P("a"), Dropper(cache))
+    assert P("zzz") not in cache
+    # Hits are the runtime's to count; the cache's books do not move on a read.
+    assert cache.stats() == before
+    cache.check_invariants()
 
 
 # -- record allocation ---------------------------------------------------------------------
@@ -247,28 +209,18 @@ def test_existing_page_returns_its_seq_id_without_saving() -> None:
     assert evicted(record(cache, "c", 100)) == ["b"]
 
 
-def test_existing_page_while_borrowed_still_exists() -> None:
-    cache = make_cache()
-    record(cache, "a", 100)
-    cache.acquire(P("a"))
-    again = cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
-    assert (again.seq_id, again.should_save, again.reason) == (8, False, "exists")
-    assert cache.stats().borrowed == 1
-
-
-def test_entry_cap_eviction_is_lru_and_lookup_refreshes() -> None:
+def test_entry_cap_eviction_is_lru_and_touch_refreshes() -> None:
     cache = make_cache(max_entries=3)
     for page in "abc":
         record(cache, page, 100)
-    assert cache.lookup(P("a")) is not None  # a becomes the most recent
+    assert cache.touch(P("a")) is not None  # a becomes the most recent
     assert cache.peek(P("b")) is not None  # peek leaves b the least recent
     d = record(cache, "d", 100)
     assert evicted(d) == ["b"]
     assert d.seq_id == 9  # b's id
     assert pages(cache) == ["c", "a", "d"]
     assert evicted(record(cache, "e", 100)) == ["c"]
-    assert cache.acquire(P("a")) is not None
-    cache.release(P("a"))
+    assert cache.touch(P("a")) is not None
     assert evicted(record(cache, "f", 100)) == ["d"]
     assert pages(cache) == ["e", "a", "f"]
 
@@ -287,12 +239,10 @@ def test_byte_budget_eviction() -> None:
     assert cache.stats().estimated_bytes == 1000
 
 
-def test_no_releasable_entries_when_all_borrowed() -> None:
+def test_no_releasable_entries_when_all_pending() -> None:
     cache = make_cache(max_entries=2)
-    record(cache, "a", 100)
-    record(cache, "b", 100)
-    cache.acquire(P("a"))
-    cache.acquire(P("b"))
+    cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
+    cache.allocate_for_record(P("b"), 100, 0, Dropper(cache))
     before = cache.stats()
     with pytest.raises(ResidentCacheError, match="no releasable entries"):
         cache.allocate_for_record(P("c"), 100, 0, Dropper(cache))
@@ -301,19 +251,14 @@ def test_no_releasable_entries_when_all_borrowed() -> None:
     cache.check_invariants()
 
 
-def test_no_releasable_entries_when_all_pending() -> None:
-    cache = make_cache(max_entries=1)
-    cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
-    with pytest.raises(ResidentCacheError, match="no releasable entries"):
-        cache.allocate_for_record(P("b"), 100, 0, Dropper(cache))
-
-
 def test_pending_page_cannot_be_allocated_twice() -> None:
     cache = make_cache()
     cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
     with pytest.raises(ResidentCacheError, match="already being recorded"):
         cache.allocate_for_record(P("a"), 100, 0, Dropper(cache))
-    assert cache.lookup(P("a")) is None  # pending is not a hit
+    # Pending is not an entry yet.
+    assert cache.touch(P("a")) is None
+    assert cache.peek(P("a")) is None
 
 
 def test_failing_drop_leaves_cache_unchanged() -> None:
@@ -329,13 +274,13 @@ def test_failing_drop_leaves_cache_unchanged() -> None:
     assert cache.entries() == before_entries
     assert P("c") not in cache
     cache.check_invariants()
-    assert cache.lookup(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
+    assert cache.touch(P("a")) == ResidentLookup(P("a"), SeqId(8), 100)
     # The same failure from proactive eviction.
-    cache.lookup(P("b"))
+    cache.touch(P("b"))
     with pytest.raises(OSError):
         cache.evict_one_lru_entry(Dropper(cache, fail_on="a"))
     with pytest.raises(OSError):
-        cache.evict(P("a"), Dropper(cache, fail_on="a"))
+        cache.clear(Dropper(cache, fail_on="a"))
     assert cache.entries() == [ResidentLookup(P("a"), SeqId(8), 100), ResidentLookup(P("b"), SeqId(9), 100)]
     assert cache.stats().evictions == 0
     # Once the drop works, a's id is freed and reused.
@@ -362,8 +307,11 @@ def test_freed_seq_ids_are_reused_first() -> None:
     cache = make_cache(max_entries=4, reserved_seq_count=8)
     assert [record(cache, p, 100).seq_id for p in "abcd"] == [8, 9, 10, 11]
     assert cache.seq_id_limit == 12
-    cache.evict(P("b"), Dropper(cache))
-    cache.evict(P("d"), Dropper(cache))
+    cache.touch(P("a"))
+    cache.touch(P("c"))
+    drop = Dropper(cache)
+    assert cache.evict_one_lru_entry(drop) == ResidentEviction(P("b"), SeqId(9), 100, 0)
+    assert cache.evict_one_lru_entry(drop) == ResidentEviction(P("d"), SeqId(11), 100, 0)
     # The most recently freed id comes back first, before any fresh one.
     assert record(cache, "e", 100).seq_id == 11
     assert record(cache, "f", 100).seq_id == 9
@@ -387,7 +335,7 @@ def test_seq_ids_stay_in_range_under_churn(reserved: int) -> None:
         allocation = record(cache, f"p{i}", 10)
         assert reserved <= allocation.seq_id < min(cache.seq_id_limit, LLAMA_MAX_SEQ)
         if i % 3 == 0:
-            cache.lookup(P(f"p{i}"))
+            cache.touch(P(f"p{i}"))
     assert len(cache) == config.max_entries
 
 
@@ -419,33 +367,17 @@ def test_evict_one_lru_entry() -> None:
     record(cache, "a", 100, 1)
     record(cache, "b", 200, 2)
     record(cache, "c", 300, 3)
-    cache.lookup(P("a"))
-    cache.acquire(P("b"))
+    cache.touch(P("a"))
+    cache.touch(P("b"))
     drop = Dropper(cache)
     assert cache.evict_one_lru_entry(drop) == ResidentEviction(P("c"), SeqId(10), 300, 3)
     assert cache.evict_one_lru_entry(drop) == ResidentEviction(P("a"), SeqId(8), 100, 1)
-    assert cache.evict_one_lru_entry(drop) is None  # b is borrowed
-    assert drop.dropped == ["c", "a"]
     stats = cache.stats()
     assert (stats.entries, stats.resident_tokens, stats.estimated_bytes, stats.evictions) == (1, 200, 2, 2)
-
-
-def test_abort_record_frees_id_and_budget() -> None:
-    cache = make_cache(max_entries=2, max_bytes=100, max_resident_tokens=500)
-    record(cache, "a", 100, 10)
-    allocation = cache.allocate_for_record(P("b"), 400, 90, Dropper(cache))
-    assert allocation.seq_id == 9
-    stats = cache.stats()
-    assert (stats.pending, stats.resident_tokens, stats.estimated_bytes) == (1, 500, 100)
-    assert cache.abort_record(P("b")) == 9
-    stats = cache.stats()
-    assert (stats.pending, stats.resident_tokens, stats.estimated_bytes, stats.records) == (0, 100, 10, 1)
+    assert cache.evict_one_lru_entry(drop) == ResidentEviction(P("b"), SeqId(9), 200, 2)
+    assert cache.evict_one_lru_entry(drop) is None
+    assert drop.dropped == ["c", "a", "b"]
     cache.check_invariants()
-    # The budget is back: the same record fits without evicting a, and reuses id 9.
-    again = record(cache, "b", 400, 90)
-    assert (again.seq_id, again.evictions) == (9, ())
-    with pytest.raises(ResidentCacheError, match="not being recorded"):
-        cache.abort_record(P("b"))
 
 
 @pytest.mark.parametrize(
@@ -467,16 +399,23 @@ def test_commit_record_mismatch_raises(page: str, seq_id: int, tokens: int, nbyt
         cache.commit_record(P("a"), SeqId(8), 100, 10)  # twice
 
 
-def test_clear_evicts_all_but_borrowed_in_lru_order() -> None:
+def test_clear_evicts_every_entry_in_lru_order_and_leaves_pending() -> None:
     cache = make_cache()
     for page in "abcd":
         record(cache, page, 100)
-    cache.acquire(P("b"))
-    cache.lookup(P("a"))
+    cache.touch(P("b"))
+    cache.touch(P("a"))
+    pending = cache.allocate_for_record(P("e"), 64, 5, Dropper(cache))
     drop = Dropper(cache)
-    assert [e.page_id for e in cache.clear(drop)] == ["c", "d", "a"]
-    assert drop.dropped == ["c", "d", "a"]
-    assert pages(cache) == ["b"]
+    assert [e.page_id for e in cache.clear(drop)] == ["c", "d", "b", "a"]
+    assert drop.dropped == ["c", "d", "b", "a"]
+    assert pages(cache) == []
+    stats = cache.stats()
+    assert (stats.entries, stats.pending, stats.resident_tokens, stats.estimated_bytes) == (0, 1, 64, 5)
+    cache.check_invariants()
+    # The pending record is still the runtime's to commit, under the id it was given.
+    cache.commit_record(P("e"), pending.seq_id, 64, 5)
+    assert cache.peek(P("e")) == ResidentLookup(P("e"), pending.seq_id, 64)
 
 
 def test_stats_snapshot() -> None:
@@ -484,8 +423,8 @@ def test_stats_snapshot() -> None:
     record(cache, "a", 100, 1000)
     record(cache, "b", 300, 2000)
     cache.allocate_for_record(P("c"), 64, 5, Dropper(cache))
-    cache.acquire(P("a"))
-    cache.lookup(P("x"))
+    cache.touch(P("a"))
+    cache.touch(P("x"))
     assert cache.stats() == ResidentCacheStats(
         entries=2,
         resident_tokens=464,
@@ -493,10 +432,7 @@ def test_stats_snapshot() -> None:
         max_entries=5,
         max_bytes=10_000,
         max_resident_tokens=8192,
-        borrowed=1,
         pending=1,
-        hits=1,
-        misses=1,
         records=2,
         evictions=0,
         uncacheable=0,
@@ -535,17 +471,14 @@ def test_evict_idle_at_zero_spares_only_entries_used_since_the_last_work() -> No
     assert pages(cache) == ["b"]
 
 
-@pytest.mark.parametrize("use", ["lookup", "acquire", "allocate_exists"])
+@pytest.mark.parametrize("use", ["touch", "allocate_exists"])
 def test_a_use_resets_the_idle_count(use: str) -> None:
     cache = make_cache()
     record(cache, "a", 100)
     record(cache, "b", 100)
     cache.advance_work(80)
-    if use == "lookup":
-        assert cache.lookup(P("a")) is not None
-    elif use == "acquire":
-        assert cache.acquire(P("a")) is not None
-        cache.release(P("a"))
+    if use == "touch":
+        assert cache.touch(P("a")) is not None
     else:
         assert cache.allocate_for_record(P("a"), 100, 0, Dropper(cache)).reason == "exists"
     cache.advance_work(80)  # a: 80 idle, b: 160
@@ -557,21 +490,13 @@ def test_a_use_resets_the_idle_count(use: str) -> None:
     assert [e.page_id for e in cache.evict_idle(100, Dropper(cache))] == ["a"]
 
 
-@pytest.mark.parametrize("read", ["peek", "lookup_miss_while_borrowed", "acquire_miss_while_borrowed"])
-def test_reads_that_are_not_hits_do_not_reset_the_idle_count(read: str) -> None:
+def test_peek_does_not_reset_the_idle_count() -> None:
     cache = make_cache()
     record(cache, "a", 100)
     cache.advance_work(80)
-    if read == "peek":
-        assert cache.peek(P("a")) is not None
-    else:
-        assert cache.acquire(P("a")) is not None  # used at 80
-        cache.advance_work(80)
-        hit = cache.lookup(P("a")) if read == "lookup_miss_while_borrowed" else cache.acquire(P("a"))
-        assert hit is None
-        cache.release(P("a"))
+    assert cache.peek(P("a")) is not None
     cache.advance_work(21)
-    # Idle since its last hit (0 or 80), not since the read.
+    # Idle since its commit at 0, not since the peek at 80.
     assert [e.page_id for e in cache.evict_idle(100, Dropper(cache))] == ["a"]
 
 
@@ -589,23 +514,6 @@ def test_commit_not_allocation_starts_the_idle_count() -> None:
     assert [e.page_id for e in cache.evict_idle(10, Dropper(cache))] == ["a"]
 
 
-def test_borrowed_entry_is_never_evicted_by_evict_idle() -> None:
-    cache = make_cache()
-    record(cache, "a", 100)
-    record(cache, "b", 100)
-    cache.acquire(P("a"))
-    cache.advance_work(1000)
-    drop = Dropper(cache)
-    assert [e.page_id for e in cache.evict_idle(10, drop)] == ["b"]
-    assert cache.evict_idle(0, drop) == []
-    assert drop.dropped == ["b"]
-    assert pages(cache) == ["a"]
-    assert cache.stats().borrowed == 1
-    cache.release(P("a"))
-    cache.advance_work(11)  # idle past the threshold whether or not the release counted as a use
-    assert [e.page_id for e in cache.evict_idle(10, drop)] == ["a"]
-
-
 def test_evict_idle_takes_the_oldest_use_first() -> None:
     cache = make_cache()
     record(cache, "a", 100, 1)  # used at 0
@@ -614,7 +522,7 @@ def test_evict_idle_takes_the_oldest_use_first() -> None:
     cache.advance_work(10)
     record(cache, "b", 300, 3)  # used at 20
     cache.advance_work(10)
-    cache.lookup(P("a"))  # used at 30
+    cache.touch(P("a"))  # used at 30
     cache.advance_work(10)
     record(cache, "d", 400, 4)  # used at 40
     cache.advance_work(60)  # work 100: idle a 70, c 90, b 80, d 60
@@ -628,7 +536,7 @@ def test_evict_idle_takes_the_oldest_use_first() -> None:
     assert drop.dropped == ["c", "b", "a"]
     assert pages(cache) == ["d"]
     stats = cache.stats()
-    assert (stats.resident_tokens, stats.estimated_bytes, stats.evictions, stats.hits) == (400, 4, 3, 1)
+    assert (stats.resident_tokens, stats.estimated_bytes, stats.evictions) == (400, 4, 3)
     # Ids were freed in eviction order; the most recently freed comes back first.
     assert record(cache, "e", 100).seq_id == 8
     assert record(cache, "f", 100).seq_id == 10
@@ -700,8 +608,7 @@ class ModelEntry:
     tokens: int
     nbytes: int
     last_used: int
-    borrowed: bool = False
-    #: The work clock at the entry's last use (commit, hit, or an "exists" record).
+    #: The work clock at the entry's last use (commit, touch, or an "exists" record).
     used_at_work: int = 0
 
 
@@ -717,9 +624,9 @@ class ReferenceCache:
         self.next_id = cfg.reserved_seq_count
         self.clock = 0
         self.work = 0
-        self.hits = self.misses = self.records = self.evictions = self.uncacheable = 0
+        self.records = self.evictions = self.uncacheable = 0
 
-    def touch(self) -> int:
+    def tick(self) -> int:
         self.clock += 1
         return self.clock
 
@@ -729,26 +636,16 @@ class ReferenceCache:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values()) + sum(p[2] for p in self.pending.values())
 
-    def lookup(self, page: str, acquire: bool = False) -> tuple[str, int, int] | None:
+    def touch(self, page: str) -> tuple[str, int, int] | None:
         e = self.entries.get(page)
-        if e is None or e.borrowed:
-            self.misses += 1
+        if e is None:
             return None
-        self.hits += 1
-        e.last_used = self.touch()
+        e.last_used = self.tick()
         e.used_at_work = self.work
-        e.borrowed = e.borrowed or acquire
         return (page, e.seq, e.tokens)
 
-    def release(self, page: str) -> None:
-        e = self.entries.get(page)
-        if e is None or not e.borrowed:
-            raise ModelError
-        e.borrowed = False
-
     def victim(self) -> str | None:
-        free = [(e.last_used, p) for p, e in self.entries.items() if not e.borrowed]
-        return min(free)[1] if free else None
+        return min(self.entries, key=lambda p: self.entries[p].last_used, default=None)
 
     def evict(self, page: str, fail_on: str | None) -> tuple:
         e = self.entries[page]
@@ -764,7 +661,7 @@ class ReferenceCache:
         if tokens < cfg.min_tokens:
             raise ModelError
         if page in self.entries:
-            self.entries[page].last_used = self.touch()
+            self.entries[page].last_used = self.tick()
             self.entries[page].used_at_work = self.work
             return (self.entries[page].seq, (), False, "exists")
         if page in self.pending:
@@ -774,15 +671,13 @@ class ReferenceCache:
         ):
             self.uncacheable += 1
             return (NO_SEQ, (), False, "uncacheable")
-        # What no eviction can free (borrowed and pending entries): if the new
-        # record does not fit beside it, refuse before evicting anything.
-        held = [(e.tokens, e.nbytes) for e in self.entries.values() if e.borrowed] + [
-            (t, b) for _, t, b in self.pending.values()
-        ]
+        # What no eviction can free (the pending entries): if the new record
+        # does not fit beside it, refuse before evicting anything.
+        held = list(self.pending.values())
         if (
             len(held) + 1 > cfg.max_entries
-            or (cfg.max_bytes and sum(b for _, b in held) + nbytes > cfg.max_bytes)
-            or (cfg.max_resident_tokens and sum(t for t, _ in held) + tokens > cfg.max_resident_tokens)
+            or (cfg.max_bytes and sum(b for _, _, b in held) + nbytes > cfg.max_bytes)
+            or (cfg.max_resident_tokens and sum(t for _, t, _ in held) + tokens > cfg.max_resident_tokens)
         ):
             raise ModelError
         evictions = []
@@ -806,7 +701,7 @@ class ReferenceCache:
 
     def commit(self, page: str) -> None:
         self.entries[page] = ModelEntry(
-            *self.pending.pop(page), last_used=self.touch(), used_at_work=self.work
+            *self.pending.pop(page), last_used=self.tick(), used_at_work=self.work
         )
         self.records += 1
 
@@ -820,13 +715,8 @@ class ReferenceCache:
         return {
             p: e.used_at_work
             for p, e in self.entries.items()
-            if not e.borrowed and self.work - e.used_at_work > idle_tokens
+            if self.work - e.used_at_work > idle_tokens
         }
-
-    def abort(self, page: str) -> int:
-        seq, _, _ = self.pending.pop(page)
-        self.free.append(seq)
-        return seq
 
 
 PAGES = [f"p{i}" for i in range(10)]
@@ -898,17 +788,11 @@ class ResidentCacheMachine(RuleBasedStateMachine):
         commit=st.booleans(),
     )
     def record_now(self, page: str, tokens: int, nbytes: int, fail_on: str | None, commit: bool) -> None:
+        # Not committing leaves the record pending, for `finish_pending` to commit later.
         got = self._allocate(page, tokens, nbytes, fail_on)
-        if got is not None and got.should_save:
-            if commit:
-                self.cache.commit_record(P(page), got.seq_id, tokens, nbytes)
-                self.model.commit(page)
-            else:
-                assert self.cache.abort_record(P(page)) == self.model.abort(page)
-
-    @rule(page=page_names, tokens=record_tokens, nbytes=st.integers(0, 600), fail_on=fail_choice)
-    def allocate_and_leave_pending(self, page: str, tokens: int, nbytes: int, fail_on: str | None) -> None:
-        self._allocate(page, tokens, nbytes, fail_on)
+        if got is not None and got.should_save and commit:
+            self.cache.commit_record(P(page), got.seq_id, tokens, nbytes)
+            self.model.commit(page)
 
     @rule(data=st.data(), fail_on=fail_choice, commit=st.booleans())
     def record_at_a_boundary(self, data: st.DataObject, fail_on: str | None, commit: bool) -> None:
@@ -927,20 +811,17 @@ class ResidentCacheMachine(RuleBasedStateMachine):
         self.record_now(data.draw(page_names), tokens, nbytes, fail_on, commit)
 
     @precondition(lambda self: bool(self.model.pending))
-    @rule(data=st.data(), commit=st.booleans())
-    def finish_pending(self, data: st.DataObject, commit: bool) -> None:
+    @rule(data=st.data())
+    def finish_pending(self, data: st.DataObject) -> None:
         page = data.draw(st.sampled_from(sorted(self.model.pending)))
         seq, tokens, nbytes = self.model.pending[page]
-        if commit:
-            self.cache.commit_record(P(page), SeqId(seq), tokens, nbytes)
-            self.model.commit(page)
-        else:
-            assert self.cache.abort_record(P(page)) == self.model.abort(page)
+        self.cache.commit_record(P(page), SeqId(seq), tokens, nbytes)
+        self.model.commit(page)
 
     @rule(page=page_names)
-    def lookup(self, page: str) -> None:
-        hit = self.cache.lookup(P(page))
-        expected = self.model.lookup(page)
+    def touch(self, page: str) -> None:
+        hit = self.cache.touch(P(page))
+        expected = self.model.touch(page)
         assert (None if hit is None else (hit.page_id, hit.seq_id, hit.token_count)) == expected
 
     @rule(page=page_names)
@@ -949,16 +830,6 @@ class ResidentCacheMachine(RuleBasedStateMachine):
         e = self.model.entries.get(page)
         expected = None if e is None else (e.seq, e.tokens)
         assert (None if hit is None else (hit.seq_id, hit.token_count)) == expected
-
-    @rule(page=page_names)
-    def acquire(self, page: str) -> None:
-        hit = self.cache.acquire(P(page))
-        expected = self.model.lookup(page, acquire=True)
-        assert (None if hit is None else (hit.page_id, hit.seq_id, hit.token_count)) == expected
-
-    @rule(page=page_names)
-    def release(self, page: str) -> None:
-        self._both(lambda: self.model.release(page), lambda: self.cache.release(P(page)))
 
     @rule(fail_on=fail_choice)
     def evict_one(self, fail_on: str | None) -> None:
@@ -971,6 +842,20 @@ class ResidentCacheMachine(RuleBasedStateMachine):
             assert isinstance(got, ResidentEviction)
             got = (got.page_id, got.seq_id, got.token_count, got.estimated_bytes)
         assert got == expected
+
+    @rule(fail_on=fail_choice)
+    def clear(self, fail_on: str | None) -> None:
+        def model_op() -> list[tuple]:
+            # LRU order; a failing drop stops it there, with what went before already gone.
+            evictions = []
+            while (victim := self.model.victim()) is not None:
+                evictions.append(self.model.evict(victim, fail_on))
+            return evictions
+
+        expected, got = self._both(model_op, lambda: self.cache.clear(self._drop(fail_on)))
+        if got is not None:
+            assert isinstance(got, list)
+            assert [(e.page_id, e.seq_id, e.token_count, e.estimated_bytes) for e in got] == expected
 
     # Mostly real work: hypothesis leans to 0, which ages nothing.
     @rule(tokens=st.one_of(*[st.integers(1, 400)] * 3, st.sampled_from([0, -1, -400])))
@@ -1026,10 +911,7 @@ class ResidentCacheMachine(RuleBasedStateMachine):
             max_entries=model.cfg.max_entries,
             max_bytes=model.cfg.max_bytes,
             max_resident_tokens=model.cfg.max_resident_tokens,
-            borrowed=sum(e.borrowed for e in model.entries.values()),
             pending=len(model.pending),
-            hits=model.hits,
-            misses=model.misses,
             records=model.records,
             evictions=model.evictions,
             uncacheable=model.uncacheable,
@@ -1053,7 +935,7 @@ class IdleEvictionMachine(ResidentCacheMachine):
     """The same model check in a roomy cache, where entries live long enough to go idle.
 
     Under `configs` budgets evict entries within a few steps, so `evict_idle`
-    seldom sees two entries with different last uses, or a borrowed one.
+    seldom sees two entries with different last uses.
     """
 
     @initialize(
@@ -1071,27 +953,27 @@ class IdleEvictionMachine(ResidentCacheMachine):
         self.model = ReferenceCache(cfg)
 
     @precondition(lambda self: bool(self.model.entries))
-    @rule(data=st.data(), acquire=st.booleans())
-    def use_an_entry(self, data: st.DataObject, acquire: bool) -> None:
-        # Hits on what is held (drawn from all pages, most lookups miss): each resets an idle count.
+    @rule(data=st.data(), peek=st.booleans())
+    def use_an_entry(self, data: st.DataObject, peek: bool) -> None:
+        # Reads of what is held (the `touch` and `peek` rules draw from all pages and mostly
+        # miss): a touch restarts the entry's idle count, a peek must not; `evict_idle` checks it.
         page = data.draw(st.sampled_from(sorted(self.model.entries)))
-        if acquire:
-            self.acquire(page)
+        if peek:
+            self.peek(page)
         else:
-            self.lookup(page)
+            self.touch(page)
 
 
 IdleEvictionMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=100, deadline=None)
 TestIdleEvictionMachine = IdleEvictionMachine.TestCase
 
 
-def test_record_that_cannot_fit_beside_borrowed_entries_evicts_nothing() -> None:
-    # Regression: the cache used to evict every free entry and then raise,
+def test_record_that_cannot_fit_beside_pending_entries_evicts_nothing() -> None:
+    # Regression: the cache used to evict every committed entry and then raise,
     # emptying itself for a record that could never be placed.
     cache = make_cache(max_entries=8, max_resident_tokens=1000)
-    record(cache, "big", 800)
+    cache.allocate_for_record(P("big"), 800, 0, Dropper(cache))
     record(cache, "small", 100)
-    cache.acquire(P("big"))
     dropper = Dropper(cache)
     with pytest.raises(ResidentCacheError, match="no releasable entries"):
         cache.allocate_for_record(P("new"), 300, 0, dropper)

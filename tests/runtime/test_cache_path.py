@@ -24,7 +24,7 @@ def test_fast_mode_hit_covers_exactly_the_shared_prefix(fast_engine):
 
 def test_deterministic_hit_reuses_exactly_the_policy_grid_length(exact_engine):
     exact_engine.clear_cache()
-    policy = exact_engine.policy
+    policy = exact_engine.info.policy
     first = make_tokens(exact_engine, 300, seed=7)
     second = first[:280] + make_tokens(exact_engine, 50, seed=8)
     lookups = policy.candidate_token_counts(len(second) - 1)
@@ -50,15 +50,16 @@ def test_namespaces_never_share_state(fast_engine):
 def test_eviction_frees_native_state(fast_engine):
     fast_engine.clear_cache()
     fast_engine.generate(GenerationRequest(tokens=make_tokens(fast_engine, 150, seed=20), max_tokens=1))
-    pool = fast_engine.pool
+    resident = fast_engine.cache.tiers.resident
 
     def evict_all_one_by_one():
         steps = []
-        while pool.cache.entries():
-            victim = pool.cache.entries()[0]
+        while resident.entries():
+            victim = resident.entries()[0]
             native_before = fast_engine.ctx.seq_pos_max(victim.seq_id)
-            pool.cache.evict_one_lru_entry(pool._drop)
-            steps.append((victim, native_before, fast_engine.ctx.seq_pos_max(victim.seq_id), pool.ledger.used_cells))
+            assert fast_engine.cache.evict_one()
+            used = fast_engine.pool.used_cells
+            steps.append((victim, native_before, fast_engine.ctx.seq_pos_max(victim.seq_id), used))
         return steps
 
     steps = fast_engine.call(evict_all_one_by_one)
@@ -74,7 +75,7 @@ def test_cache_off_records_nothing(cold_engine):
     cold_engine.generate(GenerationRequest(tokens=tokens, max_tokens=1))
     again = cold_engine.generate(GenerationRequest(tokens=tokens, max_tokens=1))
     assert again.stats.cached_tokens == 0
-    assert cold_engine.stats().cache.entries == 0
+    assert cold_engine.stats().cache.resident.entries == 0
 
 
 @pytest.mark.parametrize(

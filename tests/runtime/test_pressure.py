@@ -29,5 +29,5 @@ def test_pool_overflow_is_absorbed_by_proactive_eviction():
     assert stats.decode_failures == 0
     assert engine.invariant_failures == []
     # 60 x ~300 tokens of entries through a 2,048-cell pool: eviction must have run.
-    assert stats.pool.proactive_evictions > 0
-    assert stats.cache.records >= 60
+    assert stats.cache.counters.proactive_evictions > 0
+    assert stats.cache.counters.records >= 60

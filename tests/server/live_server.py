@@ -29,7 +29,7 @@ class LiveServer:
 
     @property
     def model_id(self) -> str:
-        return self.engine.info.model_id
+        return self.engine.info.model.model_id
 
     def openai(self, **kwargs: object) -> openai.OpenAI:
         kwargs.setdefault("api_key", self.settings.api_key or "unused")

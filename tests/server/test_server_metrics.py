@@ -110,13 +110,17 @@ def test_cache_endpoint_reports_budgets_and_stats(server: LiveServer) -> None:
     assert budgets["max_resident_tokens"] == 0  # no token cap below an 8192-cell context
     assert budgets["min_tokens"] == 64 and budgets["stride_tokens"] == 128 and budgets["record_limit"] == 2
     assert budgets["host_cache_bytes"] == 2048 * MIB and budgets["idle_tokens"] == 256
-    assert report["pool"]["n_ctx"] == server.engine.n_ctx
-    for key in ("entries", "resident_tokens", "hits", "misses", "records", "evictions"):
-        assert key in report["cache"]
-    for key in ("idle_evictions", "demotions", "host_hits", "host_hit_tokens", "restore_failures"):
-        assert report["pool"][key] >= 0
+    assert report["pool"]["n_ctx"] == server.engine.info.n_ctx
+    for key in ("entries", "resident_tokens", "records", "evictions"):
+        assert key in report["resident"]
+    # One counter set: each request's lookup counted once, hits by tier.
+    counters = report["counters"]
+    for key in ("lookups", "hits", "hit_tokens", "host_hits", "host_hit_tokens", "idle_evictions", "demotions",
+                "restore_failures"):
+        assert counters[key] >= 0
+    assert counters["hits"] <= counters["lookups"] and counters["host_hits"] <= counters["hits"]
     host = report["host"]
-    assert set(host) == {"entries", "bytes", "max_bytes", "hits", "misses", "puts", "evictions", "rejected"}
+    assert set(host) == {"entries", "bytes", "max_bytes", "puts", "evictions", "rejected"}
     assert host["max_bytes"] == 2048 * MIB
     assert 0 <= host["bytes"] <= host["max_bytes"]
 
@@ -159,22 +163,22 @@ def test_host_tier_demotion_and_restore_in_metrics_and_report(host_server: LiveS
     assert n_prompt > 64, n_prompt
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     recorded = report()
-    assert (recorded["cache"]["entries"], recorded["cache"]["resident_tokens"]) == (1, n_prompt)
-    assert recorded["host"]["entries"] == 0 and recorded["pool"]["demotions"] == 0
+    assert (recorded["resident"]["entries"], recorded["resident"]["resident_tokens"]) == (1, n_prompt)
+    assert recorded["host"]["entries"] == 0 and recorded["counters"]["demotions"] == 0
 
     # A prompt too short to record (< 64 tokens) but longer than idle_tokens:
     # its prefill alone leaves the entry idle long enough to be demoted.
     filler = complete("Unrelated: " + " ".join(f"w{i}" for i in range(20)), 1)
     assert IDLE_TOKENS < filler.usage.prompt_tokens < 64, filler.usage.prompt_tokens
     demoted = report()
-    assert demoted["cache"]["entries"] == 0 and demoted["cache"]["resident_tokens"] == 0
+    assert demoted["resident"]["entries"] == 0 and demoted["resident"]["resident_tokens"] == 0
     host = demoted["host"]
     assert (host["entries"], host["puts"], host["evictions"], host["rejected"]) == (1, 1, 0, 0)
     # The exact state holds at least the K/V rows and logits the resident entry was estimated at.
-    assert recorded["cache"]["estimated_bytes"] <= host["bytes"] <= HOST_MIB * MIB
-    pool = demoted["pool"]
-    assert (pool["idle_evictions"], pool["demotions"], pool["host_hits"], pool["restore_failures"]) \
-        == (1, 1, 0, 0)
+    assert recorded["resident"]["estimated_bytes"] <= host["bytes"] <= HOST_MIB * MIB
+    counters = demoted["counters"]
+    assert (counters["idle_evictions"], counters["demotions"], counters["host_hits"],
+            counters["restore_failures"]) == (1, 1, 0, 0)
     samples = server.metrics()
     assert value(samples, "skippy_cache_host_entries") == 1
     assert value(samples, "skippy_cache_host_bytes") == host["bytes"]
@@ -188,10 +192,11 @@ def test_host_tier_demotion_and_restore_in_metrics_and_report(host_server: LiveS
     assert again.usage.prompt_tokens == n_prompt
     assert again.usage.prompt_tokens_details.cached_tokens == n_prompt
     restored = report()
-    pool = restored["pool"]
-    assert (pool["host_hits"], pool["host_hit_tokens"], pool["restore_failures"]) == (1, n_prompt, 0)
-    assert pool["hits"] == 1 and pool["hit_tokens"] == n_prompt
-    assert restored["host"]["hits"] == 1 and restored["host"]["entries"] == 1
+    counters = restored["counters"]
+    assert (counters["host_hits"], counters["host_hit_tokens"], counters["restore_failures"]) == (1, n_prompt, 0)
+    assert counters["hits"] == 1 and counters["hit_tokens"] == n_prompt
+    # Still in the host tier, and resident again (re-recorded from the restored lane).
+    assert restored["host"]["entries"] == 1 and restored["resident"]["entries"] == 1
     samples = server.metrics()
     assert value(samples, "skippy_cache_host_hits_total") == 1
     assert value(samples, "skippy_cache_hits_total") == 1
@@ -207,7 +212,7 @@ def test_no_host_tier_reports_none_and_zeros() -> None:
         report = cache_report(engine)
         assert report["host"] is None
         assert (report["budgets"]["host_cache_bytes"], report["budgets"]["idle_tokens"]) == (0, 0)
-        assert report["pool"]["demotions"] == 0 and report["pool"]["host_hits"] == 0
+        assert report["counters"]["demotions"] == 0 and report["counters"]["host_hits"] == 0
         collected = {m.name: m.samples[0].value for m in EngineCollector(engine).collect()}
         for name in ("skippy_cache_host_entries", "skippy_cache_host_bytes", "skippy_cache_host_max_bytes",
                      "skippy_cache_host_hits", "skippy_cache_demotions", "skippy_cache_idle_evictions",

@@ -1,12 +1,13 @@
 """The llama.cpp runtime: the engine, its lanes and the native calls the core's decisions need."""
 
-from skippy_cache.runtime.engine import Engine, EngineConfig, EngineStats, available_cores
+from skippy_cache.runtime.engine import Engine, EngineConfig, EngineInfo, EngineStats, available_cores
 from skippy_cache.runtime.gguf_info import GgufInfo, ModelNotFoundError, default_model_path, read_gguf_info
 from skippy_cache.runtime.native import SamplingParams
 from skippy_cache.runtime.requests import (
     Completion,
     DoneEvent,
     EngineClosedError,
+    Event,
     FinishReason,
     GenerationRequest,
     QueueFullError,
@@ -22,7 +23,9 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineConfig",
+    "EngineInfo",
     "EngineStats",
+    "Event",
     "FinishReason",
     "GenerationRequest",
     "GgufInfo",

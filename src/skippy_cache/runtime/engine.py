@@ -1,19 +1,23 @@
-"""The engine: one thread that owns llama.cpp, the lanes and the resident cache.
+"""The engine: one thread that owns llama.cpp, the lanes and the prefix cache.
 
 A step is schedule -> decode -> post-process:
-- admit waiting requests onto free lanes (FIFO), attaching the longest cached
-  prefix to each new lane (copied if resident, restored if in the host tier);
-- build one batch with every decoding lane's next token and prefill chunks
-  (ending on the record grid) of the rest, up to `n_batch` tokens (scheduler.py);
-- evict (demote) LRU cache entries until the batch's cells are free, then `llama_decode`;
+- admit waiting requests onto free lanes (scheduler.py); a new lane starts
+  from the cache's hit, decided in one place (prefixcache.py: the core plans,
+  `apply` puts it on the lane, `settle` counts it);
+- fill one batch with every decoding lane's next token and prefill chunks
+  (ending on the record grid) of the rest, up to `n_batch` tokens (batching.py);
+- evict (demote) LRU cache entries until the batch's cells are free, then
+  `llama_decode` through the cell pool (pool.py);
 - sample, stream, record finished prompts into the cache, free finished lanes,
-  and demote entries that sat idle (kvpool.py).
+  and demote entries that sat idle.
 
-Callers (HTTP handlers, tests, benchmarks) only `submit` and receive events.
+Callers (HTTP handlers, tests, benchmarks) only `submit` and receive events,
+and read `info` and `stats()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -31,17 +35,19 @@ from skippy_cache.config import (
     ResidentCacheConfig,
     StageConfig,
     StageKvCacheConfig,
+    StageKvCacheMode,
 )
 from skippy_cache.family import resolve_mode
-from skippy_cache.host import HostTier, HostTierStats
+from skippy_cache.host import HostTier
 from skippy_cache.identity import IdentityKey
 from skippy_cache.radix import PrefixIndex
-from skippy_cache.resident import ResidentCacheStats, ResidentPrefixCache
-from skippy_cache.runtime.cachepath import CachePath
+from skippy_cache.resident import ResidentPrefixCache
+from skippy_cache.runtime.batching import BatchBuilder, Planned
 from skippy_cache.runtime.gguf_info import GgufInfo, default_model_path, read_gguf_info
-from skippy_cache.runtime.kvpool import KvPool, PoolCounters
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel, Sampler, runtime_abi
+from skippy_cache.runtime.pool import CellPool
+from skippy_cache.runtime.prefixcache import PrefixCache
 from skippy_cache.runtime.requests import (
     Completion,
     DoneEvent,
@@ -50,14 +56,15 @@ from skippy_cache.runtime.requests import (
     EventSink,
     FinishReason,
     GenerationRequest,
-    QueueFullError,
     RequestError,
     RequestHandle,
     RequestStats,
     TokenEvent,
 )
-from skippy_cache.runtime.scheduler import Planned, StepPlanner
+from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
+from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, PlacementStats
 from skippy_cache.runtime.textstream import TextStream
+from skippy_cache.tiers import CacheStats, CacheTiers
 
 log = logging.getLogger("skippy_cache.engine")
 
@@ -84,9 +91,10 @@ class EngineConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = True
-    #: Cache-on output equals cache-off output bit for bit: one thread, and a
-    #: lane's prefill chunk never shares a `llama_decode` with other lanes
-    #: (EXACTNESS.md). Costs throughput under concurrency.
+    #: Cache-on output equals cache-off output bit for bit: one thread, one
+    #: request at a time on cells aligned with the grid, and a lane's prefill
+    #: chunk never shares a `llama_decode` (EXACTNESS.md). Costs throughput
+    #: under concurrency.
     deterministic: bool = False
     max_queue: int = 64
     #: Host RAM for exact states demoted from the pool (0: none; evicted
@@ -94,14 +102,40 @@ class EngineConfig:
     #: state would land on cells off the alignment grid.
     host_cache_bytes: int = 2 << 30
     #: With a host tier: an entry unused while the pool decodes this many
-    #: tokens is demoted. Measured on SmolLM2-135M, 2 cores: a resident cell
-    #: costs each decoded token about 0.1 us of attention, and restoring a cell
-    #: about 13 us, so an idle entry has paid for its return after ~128 tokens.
+    #: tokens is demoted. A resident cell costs every decoded token attention
+    #: time, and a restore costs a copy per cell; past this many tokens an idle
+    #: entry has cost more than bringing it back (README: host tier).
     #: 0: entries leave only when a budget or a decode needs their cells.
     idle_tokens: int = 256
-    #: After every step, check the cache budgets and that the cell ledger
+    #: After every step, check the cache's books and that the cell mirror
     #: matches llama.cpp's sequences (tests; costs a native call per sequence).
     check_invariants: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineInfo:
+    """What the engine runs, fixed at start (for the server's reports and logs)."""
+
+    model: GgufInfo
+    description: str
+    n_ctx: int
+    lanes: int
+    threads: int
+    n_batch: int
+    deterministic: bool
+    #: The cache mode in force, the one configured, and why they differ.
+    mode: StageKvCacheMode
+    configured_mode: StageKvCacheMode
+    mode_note: str | None
+    budgets: ResidentCacheConfig
+    policy: PrefixCandidatePolicy
+    #: 0: no host tier.
+    host_cache_bytes: int
+    idle_tokens: int
+    max_queue: int
+    #: The model's BOS and EOS tokens as text (chat templates use them).
+    bos_text: str
+    eos_text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +146,8 @@ class EngineStats:
     n_ctx: int
     used_cells: int
     reserved_cells: int
-    cache: ResidentCacheStats
-    host: HostTierStats | None
-    pool: PoolCounters
-    cache_mode: str
+    cache: CacheStats
+    placement: PlacementStats
     steps: int
     decode_failures: int
     requests_done: int
@@ -123,74 +155,82 @@ class EngineStats:
     cached_tokens: int
 
 
-@dataclass(slots=True)
-class _Waiting:
-    handle: RequestHandle
-    sink: EventSink
-    t_submit: float
-
-
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, start: bool = True) -> None:
         self.config = config = config or EngineConfig()
-        model_path = config.model_path or default_model_path()
-        self.info: GgufInfo = read_gguf_info(model_path)
-        self.model = NativeModel(self.info.path)
-
-        self.mode, self.mode_note = resolve_mode(config.cache.mode, config.cache.payload, self.info.family)
-        if self.mode_note:
-            log.warning("%s", self.mode_note)
-        self.stage = StageConfig(
+        gguf = read_gguf_info(config.model_path or default_model_path())
+        self.model = NativeModel(gguf.path)
+        mode, mode_note = resolve_mode(config.cache.mode, config.cache.payload, gguf.family)
+        if mode_note:
+            log.warning("%s", mode_note)
+        stage = StageConfig(
             ctx_size=config.ctx_size,
             lane_count=config.lanes,
             layer_end=self.model.n_layer,
             cache_type_k=config.type_k,
             cache_type_v=config.type_v,
             flash_attn=config.flash_attn,
-            model_id=self.info.model_id,
-            model_path=str(self.info.path),
-            n_batch=config.n_batch,
+            model_id=gguf.model_id,
         )
-        self.cache_config = ResidentCacheConfig.from_stage(self.stage, config.cache)
-        self.policy = PrefixCandidatePolicy.from_cache(config.cache)
-        self.threads = 1 if config.deterministic else (config.threads or available_cores())
+        budgets = ResidentCacheConfig.from_stage(stage, config.cache)
+        policy = PrefixCandidatePolicy.from_cache(config.cache)
+        det = config.deterministic
+        threads = 1 if det else (config.threads or available_cores())
         self.ctx = NativeContext(
             self.model,
             ContextParams(
                 n_ctx=config.ctx_size,
                 n_batch=config.n_batch,
-                n_seq_max=self.cache_config.n_seq_max,
-                n_threads=self.threads,
+                n_seq_max=budgets.n_seq_max,
+                n_threads=threads,
                 type_k=config.type_k,
                 type_v=config.type_v,
                 flash_attn=config.flash_attn,
             ),
         )
-        self.n_ctx = self.ctx.n_ctx
-        self.pool = KvPool(
-            self.ctx,
-            ResidentPrefixCache(self.cache_config),
-            self.model.kv_bytes_per_token(config.type_k, config.type_v),
-            mirror_cells=config.deterministic,
-            host=HostTier(config.host_cache_bytes) if config.host_cache_bytes > 0 and not config.deterministic else None,
+        self.pool = CellPool(self.ctx)
+        host_bytes = 0 if det else config.host_cache_bytes
+        tiers = CacheTiers(
+            ResidentPrefixCache(budgets),
+            HostTier(host_bytes) if host_bytes > 0 else None,
+            None if det else PrefixIndex(),
+        )
+        identity_key = IdentityKey.from_stage(stage, model_digest=gguf.digest, runtime_abi=runtime_abi())
+        self.cache = PrefixCache(
+            self.pool,
+            tiers,
+            identity_key,
+            policy,
+            mode,
+            bytes_per_token=self.model.kv_bytes_per_token(config.type_k, config.type_v),
             idle_tokens=config.idle_tokens,
-            index=None if config.deterministic else PrefixIndex(),
         )
-        self.identity_key = IdentityKey.from_stage(
-            self.stage, model_digest=self.info.digest, runtime_abi=runtime_abi()
-        )
-        self.cache_path = CachePath(
-            self.pool, self.identity_key, self.policy, self.mode, deterministic=config.deterministic
-        )
+        self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue, one_at_a_time=det)
         self._batch = Batch(config.n_batch)
-        self._warm_up()
-        self._planner = StepPlanner(self._batch, self.policy.grid_tokens, deterministic=config.deterministic)
-        self._free_seq_ids = list(range(config.lanes - 1, -1, -1))
-        #: Deterministic mode's pad sequence: the first spare id past the lanes.
-        self._pad_seq = config.lanes
-        self._pad_batch = Batch(config.n_batch) if config.deterministic else None
-        self._lanes: list[Lane] = []
-        self._waiting: deque[_Waiting] = deque()
+        self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det)
+        # The seed reserves two sequence ids per lane; the ids past the lanes
+        # are spare, and deterministic mode pads with the first of them.
+        self.placement = AlignedPlacement(self.pool, config.lanes, config.n_batch) if det else FreePlacement()
+        self.info = EngineInfo(
+            model=gguf,
+            description=self.model.description,
+            n_ctx=self.pool.n_ctx,
+            lanes=config.lanes,
+            threads=threads,
+            n_batch=config.n_batch,
+            deterministic=det,
+            mode=mode,
+            configured_mode=config.cache.mode,
+            mode_note=mode_note,
+            budgets=budgets,
+            policy=policy,
+            host_cache_bytes=host_bytes,
+            idle_tokens=config.idle_tokens,
+            max_queue=config.max_queue,
+            bos_text=self._special_text(self.model.bos),
+            eos_text=self._special_text(self.model.eos),
+        )
+        self.pool.warm_up(max(self.model.bos, 0))
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self._cv = threading.Condition()
         self._closing = False
@@ -207,14 +247,13 @@ class Engine:
             self._thread = threading.Thread(target=self._run, name="skippy-engine", daemon=True)
             self._thread.start()
 
-    def _warm_up(self) -> None:
-        """One throwaway decode: a fresh context's first `llama_decode` allocates its
-        compute buffers, which would otherwise land on the first request's TTFT."""
-        batch = Batch(1)
-        batch.add(0, [max(self.model.bos, 0)], 0, True)
-        if self.ctx.decode(batch) != 0:
-            raise RuntimeError("llama_decode failed on a one-token warm-up: the context is unusable")
-        self.ctx.seq_rm(0, -1, -1)
+    @property
+    def n_ctx(self) -> int:
+        return self.info.n_ctx
+
+    def _special_text(self, token: int) -> str:
+        """A special token's text (`<|im_start|>`), or "" when the model has none."""
+        return self.model.token_bytes(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
 
     # -- the caller's side ---------------------------------------------------
 
@@ -252,9 +291,7 @@ class Engine:
         with self._cv:
             if self._closing:
                 raise EngineClosedError("the engine is shutting down")
-            if len(self._waiting) >= self.config.max_queue:
-                raise QueueFullError(f"the queue is full ({self.config.max_queue} waiting)")
-            self._waiting.append(_Waiting(handle, sink, time.perf_counter()))
+            self.scheduler.enqueue(Waiting(handle, sink, time.perf_counter()))
             self._cv.notify()
         return handle
 
@@ -306,29 +343,28 @@ class Engine:
         return future.result(timeout)
 
     def clear_cache(self) -> int:
-        """Evict every resident entry and empty the host tier; returns how many resident entries went."""
-        return self.call(self.pool.evict_all)
+        """Evict every resident entry and empty the state tiers; returns how many resident entries went."""
+        return self.call(self.cache.evict_all)
 
     def stats(self) -> EngineStats:
         """A snapshot from the end of the last step (safe from any thread)."""
         return self._snapshot
 
     def _publish(self) -> None:
-        """Engine thread only: the pool's books are not safe to read while a step runs."""
+        """Engine thread only: the books are not safe to read while a step runs."""
         with self._cv:
-            lanes = list(self._lanes)
-            queue_depth = len(self._waiting)
+            lanes = len(self.scheduler.lanes)
+            queue_depth = len(self.scheduler.waiting)
+            reserved = self.scheduler.reserved_cells
         self._snapshot = EngineStats(
             lanes_total=self.config.lanes,
-            lanes_busy=len(lanes),
+            lanes_busy=lanes,
             queue_depth=queue_depth,
             n_ctx=self.n_ctx,
-            used_cells=self.pool.ledger.used_cells,
-            reserved_cells=sum(lane.reserve for lane in lanes),
-            cache=self.pool.cache.stats(),
-            host=self.pool.host.stats() if self.pool.host is not None else None,
-            pool=replace(self.pool.counters),
-            cache_mode=self.mode.value,
+            used_cells=self.pool.used_cells,
+            reserved_cells=reserved,
+            cache=self.cache.stats(),
+            placement=replace(self.placement.stats),
             steps=self._steps,
             decode_failures=self._decode_failures,
             requests_done=self._requests_done,
@@ -341,10 +377,7 @@ class Engine:
         with self._cv:
             self._closing = True
             if not drain:
-                for lane in self._lanes:
-                    lane.handle.cancel()
-                for waiting in self._waiting:
-                    waiting.handle.cancel()
+                self.scheduler.cancel_all()
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -357,9 +390,9 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._waiting and not self._lanes and not self._calls and not self._closing:
+                while self.scheduler.idle and not self._calls and not self._closing:
                     self._cv.wait()
-                if self._closing and not self._waiting and not self._lanes and not self._calls:
+                if self._closing and self.scheduler.idle and not self._calls:
                     return
             self._run_calls()
             try:
@@ -389,87 +422,75 @@ class Engine:
         """One schedule -> decode -> post-process round; False when there was nothing to do."""
         self._reap_cancelled()
         self._admit()
-        planned = self._planner.plan(self._lanes)
+        planned = self._builder.fill(self.scheduler.lanes)
         if not planned:
             return False
         self._steps += 1
         n_tokens = self._batch.n_tokens
-        if not self.pool.make_room(n_tokens):
+        if not self.cache.make_room(n_tokens):
             self._fail_lanes([p.lane for p in planned], "the KV pool has no free cells for this step")
             return True
-        if self._pad_batch is not None:
-            (item,) = planned
-            lane = item.lane
-            self.pool.steer(lane.seq_id, item.p0, item.p1 - item.p0, lane.reserve - item.p0, self._pad_seq, self._pad_batch)
-        status = self.ctx.decode(self._batch)
-        if status == 1 and self.pool.drop_resident():
-            # No slot despite the ledger's count (fragmentation or padding):
+        self.placement.before_decode(planned, self.cache.evict_one)
+        runs = [(p.lane.seq_id, p.p0, p.p1) for p in planned]
+        status = self.pool.decode(self._batch, runs)
+        if status == 1 and self.cache.drop_resident():
+            # No slot despite the mirror's count (fragmentation or padding):
             # drop the cache rather than a request, and try once more.
-            status = self.ctx.decode(self._batch)
+            status = self.pool.decode(self._batch, runs)
         if status != 0:
             self._decode_failures += 1
             self._fail_lanes([p.lane for p in planned], f"llama_decode failed with status {status}")
             return True
-        self.pool.decoded([(p.lane.seq_id, p.p0, p.p1) for p in planned])
+        self.cache.decoded(n_tokens)
         for item in planned:
             self._after_decode(item)
-        self.pool.shed_idle()
+        self.cache.shed_idle()
         if self.config.check_invariants:
             self._check_invariants()
         return True
 
     def _reap_cancelled(self) -> None:
         with self._cv:
-            cancelled = [w for w in self._waiting if w.handle.cancelled]
-            for waiting in cancelled:
-                self._waiting.remove(waiting)
+            cancelled = self.scheduler.take_cancelled()
         for waiting in cancelled:
             self._emit_done_unadmitted(waiting, FinishReason.CANCELLED)
-        for lane in [lane for lane in self._lanes if lane.handle.cancelled]:
+        for lane in [lane for lane in self.scheduler.lanes if lane.handle.cancelled]:
             self._finish(lane, FinishReason.CANCELLED)
 
     def _admit(self) -> None:
-        while self._free_seq_ids:
+        while True:
             with self._cv:
-                if not self._waiting:
-                    return
-                if self.config.deterministic and self._lanes:
-                    # One request at a time: a lane's cells then form one
-                    # aligned run that no other lane's tokens interleave with.
-                    return
-                head = self._waiting[0]
-                request = head.handle.request
-                reserve = len(request.tokens) + request.max_tokens
-                # Cells are reserved for each lane's whole run up front: a lane
-                # can then never be starved of cells mid-generation, because
-                # everything else in the pool is evictable cache.
-                if sum(lane.reserve for lane in self._lanes) + reserve > self.n_ctx:
-                    return
-                self._waiting.popleft()
-            self._start_lane(head, reserve)
+                admission = self.scheduler.admit()
+            if admission is None:
+                return
+            self._start_lane(admission)
 
-    def _start_lane(self, waiting: _Waiting, reserve: int) -> None:
+    def _start_lane(self, admission: Admission) -> None:
+        waiting = admission.waiting
         request = waiting.handle.request
-        seq_id = self._free_seq_ids.pop()
         lane = Lane(
-            seq_id=seq_id,
+            seq_id=admission.seq_id,
             handle=waiting.handle,
             sink=waiting.sink,
             sampler=Sampler(request.sampling),
             stream=TextStream(request.stop),
-            reserve=reserve,
+            reserve=admission.reserve,
             t_submit=waiting.t_submit,
-            space=self.cache_path.space(request),
+            space=self.cache.space(request),
         )
-        self._lanes.append(lane)
-        logits = self.cache_path.attach(lane)
-        if logits is not None:
+        with self._cv:
+            self.scheduler.start(lane)
+        # Where a hit is decided: the core plans it, `apply` puts it on the
+        # lane (a seq_cp or a restore), `settle` counts it and plans the records.
+        hit = self.cache.apply(self.cache.plan(lane), lane)
+        self.cache.settle(hit, lane)
+        if hit.logits is not None:
             # An exact repeat: every cell is in place and the first token comes
             # from the logits the cold run's last decode produced.
             lane.t_first = time.perf_counter()
             if request.keep_first_logits:
-                lane.first_logits = logits.copy()
-            self._take_token(lane, lane.sampler.sample_logits(logits))
+                lane.first_logits = hit.logits.copy()
+            self._take_token(lane, lane.sampler.sample_logits(hit.logits))
         elif lane.n_past >= lane.prefill_end:
             self._prefill_done(lane)
 
@@ -485,7 +506,7 @@ class Engine:
             if lane.request.keep_first_logits or lane.whole_prompt is not None:
                 logits = self.ctx.logits(item.row)
                 lane.first_logits = logits if lane.request.keep_first_logits else None
-                self.cache_path.first_logits(lane, logits)
+                self.cache.first_logits(lane, logits)
         self._take_token(lane, lane.sampler.sample(self.ctx, item.row))
 
     def _take_token(self, lane: Lane, token: int) -> None:
@@ -505,7 +526,7 @@ class Engine:
             lane.next_token = token
 
     def _prefill_done(self, lane: Lane) -> None:
-        self.cache_path.prefill_done(lane)
+        self.cache.prefill_done(lane)
         lane.phase = Phase.LAST_TOKEN
         lane.next_token = lane.prompt[-1]
 
@@ -532,36 +553,37 @@ class Engine:
         self._cached_tokens += lane.cached_tokens
         # Sent after the step's stats are published, so a caller that reads
         # stats() on completion sees its own request counted.
-        self._outbox.append((lane.sink, DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits)))
+        done = DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits)
+        self._outbox.append((lane.sink, done))
 
     def _release_lane(self, lane: Lane) -> None:
-        self.pool.free_lane(lane.seq_id)
-        lane.sampler.close()
-        with self._cv:
-            self._lanes.remove(lane)
-        if self._pad_batch is not None and not self._lanes:
-            self.pool.free_lane(self._pad_seq)
-        self._free_seq_ids.append(lane.seq_id)
+        """Free the lane's cells, sampler and sequence id (each even if another step fails)."""
+        try:
+            self.pool.free(lane.seq_id)
+            lane.sampler.close()
+        finally:
+            with self._cv:
+                self.scheduler.release(lane)
+                lanes_left = len(self.scheduler.lanes)
+            self.placement.release(lane.seq_id, lanes_left)
 
     def _fail_lanes(self, lanes: list[Lane], message: str) -> None:
         for lane in lanes:
-            if lane in self._lanes:
+            if lane in self.scheduler.lanes:
                 self._finish(lane, FinishReason.ERROR, message)
 
     def _fail_all(self, message: str) -> None:
         """Fail every running request; used after an unexpected error, so each lane is freed on its own."""
-        for lane in list(self._lanes):
+        for lane in list(self.scheduler.lanes):
             try:
                 self._finish(lane, FinishReason.ERROR, message)
             except Exception:  # noqa: BLE001 - keep freeing the others
                 log.error("could not fail lane %d cleanly:\n%s", lane.seq_id, traceback.format_exc())
-                self.pool.free_lane(lane.seq_id)
-                with self._cv:
-                    if lane in self._lanes:
-                        self._lanes.remove(lane)
-                        self._free_seq_ids.append(lane.seq_id)
+                if lane in self.scheduler.lanes:
+                    with contextlib.suppress(Exception):
+                        self._release_lane(lane)
 
-    def _emit_done_unadmitted(self, waiting: _Waiting, reason: FinishReason) -> None:
+    def _emit_done_unadmitted(self, waiting: Waiting, reason: FinishReason) -> None:
         stats = RequestStats(len(waiting.handle.request.tokens), 0, 0, 0.0, 0.0, 0.0, 0.0)
         self._outbox.append((waiting.sink, DoneEvent(reason, stats, "", ())))
 
@@ -576,12 +598,10 @@ class Engine:
 
     def _check_invariants(self) -> None:
         try:
-            self.pool.cache.check_invariants()
-            ledger = self.pool.ledger
-            assert ledger.used_cells <= self.n_ctx, f"ledger holds {ledger.used_cells} > {self.n_ctx} cells"
-            seqs = [lane.seq_id for lane in self._lanes] + [e.seq_id for e in self.pool.cache.entries()]
-            for seq in seqs:
-                native, booked = self.ctx.seq_pos_max(seq), ledger.pos_max(seq)
-                assert native == booked, f"seq {seq}: llama.cpp pos_max {native}, ledger {booked}"
+            self.cache.check_invariants()
+            self.pool.cells.check_invariants()
+            lanes = [lane.seq_id for lane in self.scheduler.lanes]
+            for mismatch in self.pool.mismatches(lanes):
+                raise AssertionError(mismatch)
         except AssertionError as exc:
             self.invariant_failures.append(str(exc))

@@ -59,10 +59,11 @@ class NativeError(RuntimeError):
 
 
 class NativeModel:
-    def __init__(self, path: Path, n_gpu_layers: int = 0) -> None:
+    def __init__(self, path: Path) -> None:
         init_backend()
         params = ll.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
+        # CPU only: the prefix identity leaves n_gpu_layers out on that ground (identity.py).
+        params.n_gpu_layers = 0
         self.path = path
         self.ptr = ll.llama_model_load_from_file(str(path).encode("utf-8"), params)
         if not self.ptr:
@@ -70,17 +71,14 @@ class NativeModel:
         self.vocab = ll.llama_model_get_vocab(self.ptr)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         self.n_layer = ll.llama_model_n_layer(self.ptr)
-        self.n_ctx_train = ll.llama_model_n_ctx_train(self.ptr)
         self.n_embd = ll.llama_model_n_embd(self.ptr)
         self.n_head = ll.llama_model_n_head(self.ptr)
         self.n_head_kv = ll.llama_model_n_head_kv(self.ptr)
         self.bos = ll.llama_vocab_bos(self.vocab)
         self.eos = ll.llama_vocab_eos(self.vocab)
-        self.add_bos = ll.llama_vocab_get_add_bos(self.vocab)
         buf = ctypes.create_string_buffer(256)
         ll.llama_model_desc(self.ptr, buf, len(buf))
         self.description = buf.value.decode("utf-8", "replace")
-        self.size_bytes = ll.llama_model_size(self.ptr)
 
     def kv_bytes_per_token(self, type_k: str, type_v: str) -> int:
         """KV bytes one token occupies in every layer (the cache's byte estimate)."""
@@ -147,18 +145,11 @@ class NativeContext:
         cp.kv_unified = True
         cp.no_perf = True
         self.model = model
-        self.params = params
         self.ptr = ll.llama_init_from_model(model.ptr, cp)
         if not self.ptr:
             raise NativeError(f"llama.cpp could not create a context with {params}")
         self.n_ctx = ll.llama_n_ctx(self.ptr)
         self.memory = ll.llama_get_memory(self.ptr)
-        self._threads = params.n_threads
-
-    def set_threads(self, n_threads: int) -> None:
-        if n_threads != self._threads:
-            ll.llama_set_n_threads(self.ptr, n_threads, n_threads)
-            self._threads = n_threads
 
     def decode(self, batch: Batch) -> int:
         """`llama_decode`; 0 on success (1: no KV slot, <0: error; memory is restored)."""
@@ -178,15 +169,9 @@ class NativeContext:
     def seq_pos_max(self, seq_id: int) -> int:
         return int(ll.llama_memory_seq_pos_max(self.memory, seq_id))
 
-    def clear(self) -> None:
-        ll.llama_memory_clear(self.memory, True)
-
-    def state_seq_size(self, seq_id: int) -> int:
-        return int(ll.llama_state_seq_get_size(self.ptr, seq_id))
-
     def state_seq_get(self, seq_id: int) -> bytearray:
         """The sequence's exact state (its cells' positions and K/V rows), written straight into a new buffer."""
-        size = self.state_seq_size(seq_id)
+        size = int(ll.llama_state_seq_get_size(self.ptr, seq_id))
         buf = bytearray(size)
         written = ll.llama_state_seq_get_data(self.ptr, (ctypes.c_uint8 * size).from_buffer(buf), size, seq_id)
         if written != size:

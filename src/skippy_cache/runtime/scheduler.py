@@ -1,72 +1,90 @@
-"""What goes into the next `llama_decode`: one step's plan over the running lanes."""
+"""Admission and lane lifecycle: which waiting request runs next, and on which sequence id.
+
+Requests wait in FIFO order. The head is admitted when a lane's sequence id
+is free and the cells of its whole run (prompt plus max_tokens) fit beside the
+other lanes' reservations: a lane can then never be starved of cells
+mid-generation, because everything else in the pool is evictable cache.
+Deterministic mode runs one request at a time, so a lane's cells form one
+aligned run that no other lane's tokens interleave with.
+
+The queue is shared with submitting threads: the engine holds its lock around
+`enqueue`, `admit` and `take_cancelled`. Lanes belong to the engine thread.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
-from skippy_cache.prefill import next_chunk_end
-from skippy_cache.runtime.lane import Lane, Phase
-from skippy_cache.runtime.native import Batch
+from skippy_cache.runtime.lane import Lane
+from skippy_cache.runtime.requests import EventSink, QueueFullError, RequestHandle
 
 
 @dataclass(slots=True)
-class Planned:
-    """One lane's run of tokens in the batch: positions [p0, p1)."""
-
-    lane: Lane
-    p0: int
-    p1: int
-    #: Batch row whose logits are sampled, or -1 for a prefill chunk.
-    row: int
+class Waiting:
+    handle: RequestHandle
+    sink: EventSink
+    t_submit: float
 
 
-class StepPlanner:
-    """Fills the batch: decoding lanes first (one token each), then prefill chunks.
+@dataclass(frozen=True, slots=True)
+class Admission:
+    waiting: Waiting
+    seq_id: int
+    #: Cells reserved for the request's whole run.
+    reserve: int
 
-    Fast mode packs everything into one decode. Deterministic mode never lets a
-    prefill chunk share a decode with other lanes' tokens and alternates
-    prefill and decode steps, so a chunk's floats do not depend on what else runs.
-    """
 
-    def __init__(self, batch: Batch, grid: int, *, deterministic: bool) -> None:
-        self.batch = batch
-        self.grid = grid
-        self.deterministic = deterministic
-        self._last_step_prefilled = False
+class Scheduler:
+    def __init__(self, lanes: int, n_ctx: int, max_queue: int, *, one_at_a_time: bool) -> None:
+        self.n_ctx = n_ctx
+        self.max_queue = max_queue
+        self.one_at_a_time = one_at_a_time
+        self.waiting: deque[Waiting] = deque()
+        self.lanes: list[Lane] = []
+        #: Lane sequence ids 0..lanes-1, handed out from 0 up; a freed id is reused first.
+        self._free_ids = list(range(lanes - 1, -1, -1))
 
-    def plan(self, lanes: list[Lane]) -> list[Planned]:
-        batch = self.batch
-        batch.clear()
-        planned: list[Planned] = []
-        decoding = [lane for lane in lanes if lane.phase is not Phase.PREFILL]
-        prefilling = [lane for lane in lanes if lane.phase is Phase.PREFILL]
+    @property
+    def reserved_cells(self) -> int:
+        return sum(lane.reserve for lane in self.lanes)
 
-        if self.deterministic and prefilling and not (decoding and self._last_step_prefilled):
-            # One grid step per chunk: a chunk's size picks the matmul kernel,
-            # so a warm run resuming at any grid length must see exactly the
-            # chunks the cold run saw from there on.
-            lane = prefilling[0]
-            budget = min(self.grid, batch.capacity)
-            end = next_chunk_end(lane.n_past, lane.prefill_end, budget, self.grid, must_progress=True)
-            planned.append(self._add_chunk(lane, end))
-            self._last_step_prefilled = True
-            return planned
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.lanes
 
-        for lane in decoding:
-            row = batch.add(lane.seq_id, [lane.next_token], lane.n_past, True)
-            planned.append(Planned(lane, lane.n_past, lane.n_past + 1, row))
-        self._last_step_prefilled = False
-        if self.deterministic:
-            return planned
-        for lane in prefilling:
-            budget = batch.capacity - batch.n_tokens
-            first = not any(p.row < 0 for p in planned)
-            end = next_chunk_end(lane.n_past, lane.prefill_end, budget, self.grid, must_progress=first)
-            if end > lane.n_past:
-                planned.append(self._add_chunk(lane, end))
-                self._last_step_prefilled = True
-        return planned
+    def enqueue(self, waiting: Waiting) -> None:
+        if len(self.waiting) >= self.max_queue:
+            raise QueueFullError(f"the queue is full ({self.max_queue} waiting)")
+        self.waiting.append(waiting)
 
-    def _add_chunk(self, lane: Lane, end: int) -> Planned:
-        self.batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, False)
-        return Planned(lane, lane.n_past, end, -1)
+    def admit(self) -> Admission | None:
+        """Take the head of the queue if it may start now, with a lane id and its reservation."""
+        if not self._free_ids or not self.waiting or (self.one_at_a_time and self.lanes):
+            return None
+        request = self.waiting[0].handle.request
+        reserve = len(request.tokens) + request.max_tokens
+        if self.reserved_cells + reserve > self.n_ctx:
+            return None
+        return Admission(self.waiting.popleft(), self._free_ids.pop(), reserve)
+
+    def start(self, lane: Lane) -> None:
+        self.lanes.append(lane)
+
+    def release(self, lane: Lane) -> None:
+        """The lane's request ended: its sequence id is free again (its cells were freed by the caller)."""
+        self.lanes.remove(lane)
+        self._free_ids.append(lane.seq_id)
+
+    def take_cancelled(self) -> list[Waiting]:
+        """Remove and return the waiting requests whose callers gave up."""
+        cancelled = [w for w in self.waiting if w.handle.cancelled]
+        for waiting in cancelled:
+            self.waiting.remove(waiting)
+        return cancelled
+
+    def cancel_all(self) -> None:
+        for lane in self.lanes:
+            lane.handle.cancel()
+        for waiting in self.waiting:
+            waiting.handle.cancel()

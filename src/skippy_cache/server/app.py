@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from skippy_cache.runtime.engine import Engine
+from skippy_cache.runtime import Engine
 from skippy_cache.server.chat import ChatFormatter
 from skippy_cache.server.errors import APIError, install_error_handlers
 from skippy_cache.server.generation import Generation
@@ -38,7 +38,7 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     Tests pass False to share one engine between several apps.
     """
     started = int(time.time())
-    model_id = engine.info.model_id
+    model_id = engine.info.model.model_id
     model_names = tuple(dict.fromkeys((model_id, settings.model_alias)))
 
     @asynccontextmanager
@@ -60,11 +60,11 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     generation = Generation(
         engine=engine,
         settings=settings,
-        chat=ChatFormatter(engine.info.chat_template, bos_token=_special(engine, engine.model.bos),
-                           eos_token=_special(engine, engine.model.eos)),
+        chat=ChatFormatter(engine.info.model.chat_template, bos_token=engine.info.bos_text,
+                           eos_token=engine.info.eos_text),
         metrics=metrics,
         model_names=model_names,
-        system_fingerprint=f"skippy-{engine.info.digest[:12]}",
+        system_fingerprint=f"skippy-{engine.info.model.digest[:12]}",
     )
     app.state.generation = generation
 
@@ -74,7 +74,7 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
             "object": "model",
             "created": started,
             "owned_by": "skippy-cache",
-            "context_length": engine.n_ctx,
+            "context_length": engine.info.n_ctx,
         }
 
     auth = [Depends(_bearer_auth(settings.api_key))] if settings.api_key else []
@@ -121,13 +121,6 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _special(engine: Engine, token: int) -> str:
-    """A special token's text (`<|im_start|>`), or "" when the model has none."""
-    if token < 0:
-        return ""
-    return engine.model.token_bytes(token, special=True).decode("utf-8", "replace")
 
 
 def _bearer_auth(api_key: str):

@@ -13,8 +13,7 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 
-from skippy_cache.runtime.engine import Engine
-from skippy_cache.runtime.requests import DoneEvent, Event, GenerationRequest, RequestHandle
+from skippy_cache.runtime import DoneEvent, Engine, Event, GenerationRequest, RequestHandle
 
 
 class EngineRun:

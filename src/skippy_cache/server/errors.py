@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from skippy_cache.runtime.requests import EngineClosedError, QueueFullError, RequestError
+from skippy_cache.runtime import EngineClosedError, QueueFullError, RequestError
 
 log = logging.getLogger("skippy_cache.server")
 

@@ -12,8 +12,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from skippy_cache.runtime.engine import Engine
-from skippy_cache.runtime.requests import (
+from skippy_cache.runtime import (
+    Engine,
     EngineClosedError,
     FinishReason,
     GenerationRequest,
@@ -40,7 +40,7 @@ class Generation:
     settings: ServerSettings
     chat: ChatFormatter
     metrics: ServerMetrics
-    #: engine.info.model_id first; requests may name any of these.
+    #: the model's id first; requests may name any of these.
     model_names: tuple[str, ...]
     system_fingerprint: str
 
@@ -68,7 +68,7 @@ class Generation:
         if max_tokens is None:
             # Up to what the context has left, capped (settings.DEFAULT_CHAT_MAX_TOKENS says why);
             # at least 1 so a prompt that fills the context gets the engine's context error.
-            max_tokens = max(min(self.settings.default_max_tokens, self.engine.n_ctx - len(tokens)), 1)
+            max_tokens = max(min(self.settings.default_max_tokens, self.engine.info.n_ctx - len(tokens)), 1)
         run = self._submit(body, tokens, max_tokens, prompt_param="messages")
         return await self._respond(request, run, body, ChatFormat(self.model_id, self.system_fingerprint))
 

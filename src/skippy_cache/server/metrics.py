@@ -15,8 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from skippy_cache.runtime.engine import Engine
-from skippy_cache.runtime.requests import DoneEvent, FinishReason
+from skippy_cache.runtime import DoneEvent, Engine, FinishReason
 
 #: Time to first token: tens of ms for a full cache hit, seconds for a cold
 #: long prompt on a CPU, minutes when queued behind a full pool.
@@ -80,8 +79,9 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats()
-        c = s.cache
-        host = s.host
+        c = s.cache.resident
+        host = s.cache.host
+        n = s.cache.counters
         gauges = {
             "skippy_lanes_total": ("Execution lanes", s.lanes_total),
             "skippy_lanes_busy": ("Lanes running a request", s.lanes_busy),
@@ -103,29 +103,29 @@ class EngineCollector(Collector):
                 "Host tier byte budget (0: no host tier)", host.max_bytes if host is not None else 0
             ),
             "skippy_cache_lookup_hit_ratio": (
-                "Lookups that found a resident prefix / lookups",
-                s.pool.hits / s.pool.lookups if s.pool.lookups else 0.0,
+                "Lookups that reused a cached prefix / lookups",
+                n.hits / n.lookups if n.lookups else 0.0,
             ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
-            "skippy_cache_lookups": ("Requests that looked up a prefix", s.pool.lookups),
-            "skippy_cache_hits": ("Lookups that attached a resident prefix", s.pool.hits),
+            "skippy_cache_lookups": ("Requests that looked up a prefix", n.lookups),
+            "skippy_cache_hits": ("Lookups that reused a cached prefix (resident or restored)", n.hits),
             "skippy_cache_records": ("Prefix entries recorded", c.records),
-            "skippy_cache_evictions": ("Entries evicted (budgets and free-cell pressure)", c.evictions),
+            "skippy_cache_evictions": ("Entries evicted (budgets, free-cell pressure, idleness)", c.evictions),
             "skippy_cache_uncacheable": ("Records refused as larger than a budget", c.uncacheable),
             "skippy_cache_host_hits": (
                 "Lookups served by restoring a state from the host tier (also in skippy_cache_hits)",
-                s.pool.host_hits,
+                n.host_hits,
             ),
-            "skippy_cache_demotions": ("Evicted entries whose state was copied to the host tier", s.pool.demotions),
+            "skippy_cache_demotions": ("Evicted entries whose state was copied to the host tier", n.demotions),
             "skippy_cache_idle_evictions": (
                 "Entries evicted for sitting unused while the pool decoded idle_tokens tokens",
-                s.pool.idle_evictions,
+                n.idle_evictions,
             ),
             "skippy_cache_restore_failures": (
-                "Host tier restores llama.cpp refused (served as misses)", s.pool.restore_failures
+                "Host tier restores llama.cpp refused (served as misses)", n.restore_failures
             ),
             "skippy_engine_steps": ("Engine steps (one llama_decode each)", s.steps),
             "skippy_engine_decode_failures": ("llama_decode calls that failed", s.decode_failures),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from skippy_cache.runtime.requests import FinishReason, RequestStats
+from skippy_cache.runtime import FinishReason, RequestStats
 
 
 def usage(stats: RequestStats) -> dict:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from skippy_cache.runtime.native import SamplingParams
+from skippy_cache.runtime import SamplingParams
 
 #: OpenAI's limit on stop sequences.
 MAX_STOP_SEQUENCES = 4

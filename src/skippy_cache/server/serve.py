@@ -14,7 +14,7 @@ import signal
 import uvicorn
 
 from skippy_cache.config import MIN_CTX_FOR_CELL_CAP
-from skippy_cache.runtime.engine import Engine
+from skippy_cache.runtime import Engine
 from skippy_cache.server.app import create_app
 from skippy_cache.server.settings import ServerSettings
 
@@ -22,44 +22,45 @@ log = logging.getLogger("skippy_cache.server")
 
 
 def _host_tier_line(engine: Engine) -> str:
-    if engine.pool.host is None:
-        return "off (deterministic mode)" if engine.config.deterministic and engine.config.host_cache_bytes else "off"
-    idle = engine.config.idle_tokens
-    leaves = f"after {idle} idle tokens" if idle else "only when their cells are needed"
-    return f"{engine.pool.host.max_bytes // (1 << 20)} MiB of RAM; entries leave the pool {leaves}"
+    info = engine.info
+    if info.host_cache_bytes == 0:
+        return "off (deterministic mode)" if info.deterministic else "off"
+    leaves = f"after {info.idle_tokens} idle tokens" if info.idle_tokens else "only when their cells are needed"
+    return f"{info.host_cache_bytes // (1 << 20)} MiB of RAM; entries leave the pool {leaves}"
 
 
 def startup_report(engine: Engine, settings: ServerSettings) -> str:
     """The one block logged at start: model, pool, derived cache budgets."""
-    info, budgets, policy, cfg = engine.info, engine.cache_config, engine.policy, engine.config
+    info = engine.info
+    model, budgets, policy = info.model, info.budgets, info.policy
     token_cap = f"{budgets.max_resident_tokens} tokens" if budgets.max_resident_tokens else "none"
     if not budgets.max_resident_tokens:
-        token_cap += f" (ctx {engine.n_ctx} < {MIN_CTX_FOR_CELL_CAP})"
-    mode = engine.mode.value
-    if cfg.cache.mode.value != mode:
-        mode += f" (configured {cfg.cache.mode.value})"
-    template = "GGUF tokenizer.chat_template" if info.chat_template else "none in the GGUF (ChatML fallback)"
+        token_cap += f" (ctx {info.n_ctx} < {MIN_CTX_FOR_CELL_CAP})"
+    mode = info.mode.value
+    if info.configured_mode is not info.mode:
+        mode += f" (configured {info.configured_mode.value})"
+    template = "GGUF tokenizer.chat_template" if model.chat_template else "none in the GGUF (ChatML fallback)"
     auth = "bearer key required on /v1/*" if settings.api_key else "open (no --api-key)"
     lines = [
         "skippy-cache server",
-        f"  model     {info.path}",
-        f"            {engine.model.description}, architecture {info.architecture}, id {info.model_id}",
-        f"            digest {info.digest}, chat template: {template}",
-        f"  pool      n_ctx {engine.n_ctx} cells, {cfg.lanes} lanes, {engine.threads} threads, "
-        f"n_seq_max {budgets.n_seq_max}, n_batch {cfg.n_batch}, "
-        f"deterministic {'on' if cfg.deterministic else 'off'}",
+        f"  model     {model.path}",
+        f"            {info.description}, architecture {model.architecture}, id {model.model_id}",
+        f"            digest {model.digest}, chat template: {template}",
+        f"  pool      n_ctx {info.n_ctx} cells, {info.lanes} lanes, {info.threads} threads, "
+        f"n_seq_max {budgets.n_seq_max}, n_batch {info.n_batch}, "
+        f"deterministic {'on' if info.deterministic else 'off'}",
         f"  cache     mode {mode}, max entries {budgets.max_entries}, token cap {token_cap}, "
         f"byte cap {budgets.max_bytes or 'none'}",
         f"            reserved sequences 0..{budgets.reserved_seq_count - 1} (lanes), "
         f"min_tokens {policy.min_tokens}, stride {policy.stride_tokens}, "
         f"record limit {policy.record_limit or 'all'}",
         f"  host tier {_host_tier_line(engine)}",
-        f"  requests  queue {cfg.max_queue}, chat max_tokens default {settings.default_max_tokens}, "
-        f"model names {info.model_id!r} or {settings.model_alias!r}, {auth}",
+        f"  requests  queue {info.max_queue}, chat max_tokens default {settings.default_max_tokens}, "
+        f"model names {model.model_id!r} or {settings.model_alias!r}, {auth}",
         f"  listen    http://{settings.host}:{settings.port}",
     ]
-    if engine.mode_note:
-        lines.append(f"  note      {engine.mode_note}")
+    if info.mode_note:
+        lines.append(f"  note      {info.mode_note}")
     return "\n".join(lines)
 
 

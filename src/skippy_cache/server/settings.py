@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from skippy_cache.config import StageKvCacheConfig, parse_cache_mode, parse_payload
-from skippy_cache.runtime.engine import EngineConfig
+from skippy_cache.config import StageKvCacheConfig, parse_cache_mode
+from skippy_cache.runtime import EngineConfig
 
 #: Chat requests that give no max_tokens get at most this many (or what is left
 #: of the context, if less). Unbounded, one chat request would reserve the whole
@@ -195,8 +195,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("cache.mode", "--cache-mode", "SKIPPY_KV_CACHE", "mode", _wrap(parse_cache_mode),
            "auto (default: lookup-record unless the model is recurrent), lookup-record, record, "
            "disabled (also on/off)", "MODE"),
-    Option("cache.payload", "--cache-payload", "SKIPPY_KV_CACHE_PAYLOAD", "payload", _wrap(parse_payload),
-           "auto (default), resident-kv, kv-recurrent, full-state", "KIND"),
     Option("cache.max_entries", "--max-entries", "SKIPPY_KV_CACHE_MAX_ENTRIES", "max_entries", _int(0),
            "resident prefix entries at most (default 64; clamped to fit llama.cpp's 256 sequence ids)", "N"),
     Option("cache.max_bytes", "--max-bytes", "SKIPPY_KV_CACHE_MAX_BYTES", "max_bytes", _int(0),

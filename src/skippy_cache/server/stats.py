@@ -1,24 +1,23 @@
 """The /v1/cache report.
 
 `Engine.stats()` returns the snapshot the engine thread published after its
-last step, so it is safe and cheap from any thread.
+last step, so it is safe and cheap from any thread; `Engine.info` is fixed at start.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from skippy_cache.runtime.engine import Engine
+from skippy_cache.runtime import Engine
 
 
 def cache_report(engine: Engine) -> dict:
-    """The cache's budgets, counters and pool state as JSON (GET /v1/cache)."""
+    """The cache's budgets, tiers, counters and pool state as JSON (GET /v1/cache)."""
     s = engine.stats()
-    budgets = engine.cache_config
-    policy = engine.policy
-    config = engine.config
+    info = engine.info
+    budgets, policy = info.budgets, info.policy
     return {
-        "mode": s.cache_mode,
+        "mode": info.mode.value,
         "budgets": {
             "max_entries": budgets.max_entries,
             "max_bytes": budgets.max_bytes,
@@ -29,12 +28,14 @@ def cache_report(engine: Engine) -> dict:
             "stride_tokens": policy.stride_tokens,
             "record_limit": policy.record_limit,
             "grid_tokens": policy.grid_tokens,
-            "host_cache_bytes": config.host_cache_bytes,
-            "idle_tokens": config.idle_tokens,
+            "host_cache_bytes": info.host_cache_bytes,
+            "idle_tokens": info.idle_tokens,
         },
-        "cache": dataclasses.asdict(s.cache),
+        # Each request's lookup counted once: hits by tier, records, evictions, demotions.
+        "counters": dataclasses.asdict(s.cache.counters),
+        "resident": dataclasses.asdict(s.cache.resident),
         # None when there is no host tier (host_cache_bytes 0, or deterministic mode).
-        "host": dataclasses.asdict(s.host) if s.host is not None else None,
+        "host": dataclasses.asdict(s.cache.host) if s.cache.host is not None else None,
         "pool": {
             "n_ctx": s.n_ctx,
             "used_cells": s.used_cells,
@@ -42,7 +43,7 @@ def cache_report(engine: Engine) -> dict:
             "lanes_total": s.lanes_total,
             "lanes_busy": s.lanes_busy,
             "queue_depth": s.queue_depth,
-            **dataclasses.asdict(s.pool),
+            **dataclasses.asdict(s.placement),
         },
         "requests": {
             "done": s.requests_done,

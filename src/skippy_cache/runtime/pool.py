@@ -1,0 +1,87 @@
+"""The KV cell pool: the only caller of llama.cpp's sequence operations, and their one mirror.
+
+Every decode, copy, removal, export and restore goes through `CellPool`, which
+books it in a `CellMap` (a mirror of llama.cpp's allocator) right after
+llama.cpp acts. llama.cpp does not report used cells, so the mirror is how the
+engine evicts before a decode instead of letting it fail for want of a slot,
+and how deterministic mode steers cells onto the alignment grid. One mirror fed
+from one place cannot drift from a second one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from skippy_cache.cells import CellMap
+from skippy_cache.runtime.native import Batch, NativeContext
+
+#: (sequence, first position, end position) of one run of tokens in a batch.
+Run = tuple[int, int, int]
+
+
+class CellPool:
+    def __init__(self, ctx: NativeContext) -> None:
+        self.ctx = ctx
+        self.n_ctx = ctx.n_ctx
+        self.cells = CellMap(ctx.n_ctx)
+
+    @property
+    def used_cells(self) -> int:
+        return self.cells.used_cells
+
+    @property
+    def free_cells(self) -> int:
+        return self.cells.free_cells
+
+    def warm_up(self, token: int) -> None:
+        """One throwaway decode: a fresh context's first `llama_decode` allocates its
+        compute buffers, which would otherwise land on the first request's TTFT."""
+        batch = Batch(1)
+        batch.add(0, [token], 0, True)
+        if self.decode(batch, [(0, 0, 1)]) != 0:
+            raise RuntimeError("llama_decode failed on a one-token warm-up: the context is unusable")
+        self.free(0)
+
+    def decode(self, batch: Batch, runs: Sequence[Run]) -> int:
+        """`llama_decode` of a batch holding `runs` in batch order; 0 on success (1: no slot, <0: error)."""
+        status = self.ctx.decode(batch)
+        if status == 0:
+            self.cells.decode(runs)
+        return status
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """`dst` joins `src`'s cells of positions [0, n): nothing is copied."""
+        self.ctx.seq_cp(src, dst, 0, n)
+        self.cells.seq_cp(src, dst, 0, n)
+
+    def free(self, seq_id: int) -> None:
+        self.ctx.seq_rm(seq_id, -1, -1)
+        self.cells.seq_rm(seq_id)
+
+    def trim(self, seq_id: int, keep: int) -> None:
+        """Keep positions [0, keep) of the sequence."""
+        self.ctx.seq_rm(seq_id, keep, -1)
+        self.cells.seq_rm(seq_id, keep, -1)
+
+    def export(self, seq_id: int) -> bytearray:
+        """The sequence's exact state (`llama_state_seq_get_data`)."""
+        return self.ctx.state_seq_get(seq_id)
+
+    def restore(self, seq_id: int, payload: bytes | bytearray, n: int) -> bool:
+        """Import a state of positions [0, n) into an empty sequence; False (and nothing held) if refused."""
+        if not self.ctx.state_seq_set(seq_id, payload) or self.ctx.seq_pos_max(seq_id) != n - 1:
+            # Refused (no room, bad bytes) or not the state the books promised.
+            self.ctx.seq_rm(seq_id, -1, -1)
+            return False
+        if self.cells.restore(seq_id, n) is None:
+            raise RuntimeError(f"llama.cpp restored {n} cells into seq {seq_id} where the mirror has no room for them")
+        return True
+
+    def mismatches(self, seq_ids: Iterable[int]) -> list[str]:
+        """Sequences whose llama.cpp `pos_max` differs from the mirror's (tests; a native call each)."""
+        out = []
+        for seq in sorted(set(seq_ids) | set(self.cells.sequences())):
+            native, booked = self.ctx.seq_pos_max(seq), self.cells.pos_max(seq)
+            if native != booked:
+                out.append(f"seq {seq}: llama.cpp pos_max {native}, mirror {booked}")
+        return out

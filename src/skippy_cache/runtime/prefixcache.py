@@ -1,0 +1,299 @@
+"""The prefix cache in the runtime: a lane's hit (plan, apply, settle), its records, and the tiers' upkeep.
+
+A new lane goes through three explicit steps, each called by the engine:
+1. `plan`: the core decides (`CacheTiers.plan`, pure) what the lane would
+   reuse, from which tier, and why not more;
+2. `apply`: the hit is put on the lane's sequence: a `seq_cp` from a resident
+   entry, or a restore from a state tier;
+3. `settle`: the hit is counted (once, in `CacheCounters`), and what the lane
+   will record is planned.
+
+Records: fast mode records one entry per prompt, the whole prompt with its
+first-token logits, right after the last prompt token's decode (`first_logits`);
+deterministic mode records the seed's grid lengths when prefill reaches them
+(`prefill_done`).
+
+Entries leave the pool when a record's budget, a decode or idleness needs their
+cells; with a host tier their exact state is copied out first (demotion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from skippy_cache.config import PrefixCandidatePolicy, StageKvCacheMode
+from skippy_cache.host import HostEntry
+from skippy_cache.identity import IdentityKey, PrefixIdentity, prefix_identities, prefix_identity
+from skippy_cache.resident import ResidentCacheError, ResidentEviction
+from skippy_cache.runtime.lane import Lane
+from skippy_cache.runtime.pool import CellPool
+from skippy_cache.runtime.requests import GenerationRequest
+from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        pool: CellPool,
+        tiers: CacheTiers,
+        identity_key: IdentityKey,
+        policy: PrefixCandidatePolicy,
+        mode: StageKvCacheMode,
+        *,
+        bytes_per_token: int,
+        idle_tokens: int,
+    ) -> None:
+        self.pool = pool
+        self.tiers = tiers
+        self.identity_key = identity_key
+        self.policy = policy
+        self.mode = mode
+        self.bytes_per_token = bytes_per_token
+        #: With a host tier: entries unused while the pool decodes this many tokens are demoted (0: never).
+        self.idle_tokens = idle_tokens
+        #: Grid lengths (deterministic mode) rather than whole prompts and the radix index.
+        self.on_grid = tiers.index is None
+        # Whole-prompt entries cover the last prompt token, decoded on a step
+        # of its own, and carry the logits it produced: a key of their own keeps
+        # them apart from any prefix entry of the same tokens (a grid entry in
+        # deterministic mode), which has no logits to sample from.
+        self._whole_prompt_key = replace(identity_key, extra=(("entry", "whole-prompt"),))
+        self.counters = CacheCounters()
+
+    # -- a new lane: plan -> apply -> settle ---------------------------------------
+
+    def space(self, request: GenerationRequest) -> IdentityKey:
+        """Everything but the tokens that decides which KV a prompt produces."""
+        return self.identity_key.with_namespace(request.namespace)
+
+    def plan(self, lane: Lane) -> Hit:
+        """What the lane would reuse, from where, and why not more. Changes nothing."""
+        request = lane.request
+        prefix = request.tokens[: lane.prefill_end]
+        refused = self._refusal(request)
+        if self.on_grid:
+            grid = self._grid_identities(lane, self.policy.candidate_token_counts(lane.prefill_end))
+            return self.tiers.plan(Query(lane.space, prefix, grid=tuple(grid), refused=refused))
+        whole = self._whole_prompt_identity(request) if refused is None else None
+        return self.tiers.plan(Query(lane.space, prefix, whole=whole, refused=refused))
+
+    def apply(self, hit: Hit, lane: Lane) -> Hit:
+        """Put the hit on the lane's (empty) sequence; returns what is on it.
+
+        A restore llama.cpp refuses is dropped from its tier and the lookup is
+        planned again without it, so the lane gets the next best hit or a miss.
+        """
+        while hit.source is Source.RAM:
+            restored = self._restore(hit, lane.seq_id)
+            if restored is None:
+                hit = Hit.miss(Why.NO_ROOM)
+            elif not restored:
+                self.counters.restore_failures += 1
+                hit = self.plan(lane)
+            else:
+                break
+        if hit.source is Source.RESIDENT:
+            assert hit.page_id is not None
+            entry = self.tiers.resident.touch(hit.page_id)
+            assert entry is not None, f"planned resident page {hit.page_id} is gone"
+            self.pool.copy(entry.seq_id, lane.seq_id, hit.length)
+        lane.n_past = lane.cached_tokens = hit.length
+        return hit
+
+    def settle(self, hit: Hit, lane: Lane) -> None:
+        """Count the lookup once, and plan what the lane records."""
+        c = self.counters
+        if hit.why not in (Why.LOOKUP_OFF, Why.CACHE_DISABLED):
+            c.lookups += 1
+        if hit.source is not Source.NONE:
+            c.hits += 1
+            c.hit_tokens += hit.length
+        if hit.source is Source.RAM:
+            c.host_hits += 1
+            c.host_hit_tokens += hit.length
+            if hit.whole:
+                # The whole entry came back: resident again, sharing the lane's
+                # cells, so the next repeat is a `seq_cp`.
+                self._record(lane, self._whole_prompt_identity(lane.request), hit.logits)
+        if not (self.mode.records and lane.request.record) or hit.whole:
+            return
+        if self.on_grid:
+            lengths = self.policy.record_candidate_token_counts(lane.prefill_end)
+            lane.record_lengths = [n for n in lengths if n % self.policy.grid_tokens == 0]
+            lane.identities = self._grid_identities_by_length(lane, lane.record_lengths)
+        else:
+            lane.whole_prompt = self._whole_prompt_identity(lane.request)
+
+    # -- records ---------------------------------------------------------------------
+
+    def prefill_done(self, lane: Lane) -> None:
+        """Record the grid lengths the lane planned (deterministic mode; fast mode plans none)."""
+        for n in lane.record_lengths:
+            self._record(lane, lane.identities[n])
+        lane.identities = {}
+
+    def first_logits(self, lane: Lane, logits: np.ndarray) -> None:
+        """The last prompt token was decoded: record the whole prompt with these logits, if planned."""
+        if lane.whole_prompt is not None:
+            self._record(lane, lane.whole_prompt, logits)
+            lane.whole_prompt = None
+
+    def _record(self, lane: Lane, prefix: PrefixIdentity | None, logits: np.ndarray | None = None) -> bool:
+        """Record the lane's first `prefix.token_count` cells as an entry; False when nothing was saved.
+
+        Nothing is saved below `min_tokens`, when the entry exists already,
+        when it alone exceeds a budget, or when pending records leave no room
+        (serving goes on uncached).
+        """
+        if prefix is None or prefix.token_count < max(self.tiers.min_tokens, 1):
+            return False
+        n = prefix.token_count
+        resident = self.tiers.resident
+        nbytes = n * self.bytes_per_token + (logits.nbytes if logits is not None else 0)
+        try:
+            allocation = resident.allocate_for_record(prefix.page_id, n, nbytes, self._demote)
+        except ResidentCacheError:
+            self.counters.record_skips += 1
+            return False
+        self.counters.budget_evictions += len(allocation.evictions)
+        self._forget(allocation.evictions)
+        if not allocation.should_save:
+            return False
+        self.pool.copy(lane.seq_id, allocation.seq_id, n)
+        if logits is not None:
+            self.tiers.logits[prefix.page_id] = logits
+        resident.commit_record(prefix.page_id, allocation.seq_id, n, nbytes)
+        if not self.on_grid:
+            self.tiers.file(prefix.page_id, lane.space, lane.prompt[:n])
+        self.counters.records += 1
+        return True
+
+    # -- the pool's cells ------------------------------------------------------------
+
+    def make_room(self, cells: int) -> bool:
+        """Evict (demote) LRU entries until `cells` are free; False if the cache alone cannot free them."""
+        while self.pool.free_cells < cells:
+            if not self.evict_one():
+                return False
+        return True
+
+    def evict_one(self) -> bool:
+        """Evict (demote) the least recently used entry to free its cells; False when none is left."""
+        eviction = self.tiers.resident.evict_one_lru_entry(self._demote)
+        if eviction is None:
+            return False
+        self.counters.proactive_evictions += 1
+        self._forget([eviction])
+        return True
+
+    def shed_idle(self) -> int:
+        """Demote entries idle past `idle_tokens` decoded tokens to the host tier; how many left the pool.
+
+        A pool that holds only what is in use keeps every decode's KV view narrow.
+        """
+        if self.tiers.host is None or self.idle_tokens <= 0:
+            return 0
+        evicted = self.tiers.resident.evict_idle(self.idle_tokens, self._demote)
+        self.counters.idle_evictions += len(evicted)
+        self._forget(evicted)
+        return len(evicted)
+
+    def drop_resident(self) -> int:
+        """Free every resident entry's cells (demoting them): the last resort before failing a decode."""
+        evicted = self.tiers.resident.clear(self._demote)
+        self._forget(evicted)
+        return len(evicted)
+
+    def evict_all(self) -> int:
+        """Drop every resident entry and empty the state tiers (an operator's "clear"); resident entries dropped."""
+        for _, tier in self.tiers.state_tiers:
+            pages = tier.pages()
+            tier.clear()
+            for page_id in pages:
+                self.tiers.forget_if_gone(page_id)
+        evicted = self.tiers.resident.clear(self._drop)
+        self._forget(evicted)
+        return len(evicted)
+
+    def decoded(self, tokens: int) -> None:
+        """The pool decoded `tokens` more tokens: the clock idle entries are measured by."""
+        self.tiers.resident.advance_work(tokens)
+
+    def stats(self) -> CacheStats:
+        host = self.tiers.host
+        return CacheStats(self.tiers.resident.stats(), host.stats() if host is not None else None,
+                          replace(self.counters))
+
+    def check_invariants(self) -> None:
+        self.tiers.check_invariants()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _refusal(self, request: GenerationRequest) -> Why | None:
+        if not self.mode.looks_up:
+            return Why.CACHE_DISABLED
+        if not request.lookup:
+            return Why.LOOKUP_OFF
+        if len(request.tokens) < max(self.tiers.min_tokens, 1):
+            return Why.BELOW_MIN_TOKENS
+        return None
+
+    def _whole_prompt_identity(self, request: GenerationRequest) -> PrefixIdentity | None:
+        if len(request.tokens) < max(self.tiers.min_tokens, 1):
+            return None
+        return prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
+
+    def _grid_identities(self, lane: Lane, lengths: list[int]) -> list[PrefixIdentity]:
+        by_length = self._grid_identities_by_length(lane, lengths)
+        return [by_length[n] for n in sorted(by_length, reverse=True)]
+
+    def _grid_identities_by_length(self, lane: Lane, lengths: list[int]) -> dict[int, PrefixIdentity]:
+        # A lane's own cells start a fresh aligned run, so only grid lengths are reusable.
+        on_grid = {n for n in lengths if n % self.policy.grid_tokens == 0}
+        return prefix_identities(lane.space, lane.request.tokens[: lane.prefill_end], on_grid) if on_grid else {}
+
+    def _restore(self, hit: Hit, lane_seq: int) -> bool | None:
+        """Restore a host entry onto an empty lane, keeping its first `hit.length` positions.
+
+        None when the pool has no room for the whole entry (it stays in its
+        tier); False when llama.cpp refused it (it is dropped).
+        """
+        host = self.tiers.host
+        assert host is not None and hit.page_id is not None
+        entry = host.get(hit.page_id)
+        assert entry is not None, f"planned host page {hit.page_id} is gone"
+        n = entry.token_count
+        if not self.make_room(n):
+            return None
+        if not self.pool.restore(lane_seq, entry.payload, n):
+            # Refused (no slot) or not the state the books promised: do not offer it again.
+            host.discard(hit.page_id)
+            self.tiers.forget_if_gone(hit.page_id)
+            return False
+        if hit.length < n:
+            self.pool.trim(lane_seq, hit.length)
+        return True
+
+    def _demote(self, eviction: ResidentEviction) -> None:
+        """Copy an evicted entry's state to the host tier (if there is one), then drop its cells."""
+        host = self.tiers.host
+        if host is not None and not host.touch(eviction.page_id):
+            logits = self.tiers.logits.get(eviction.page_id)
+            payload = self.pool.export(eviction.seq_id)
+            entry = HostEntry(eviction.token_count, payload, logits.tobytes() if logits is not None else None)
+            pushed_out = host.put(eviction.page_id, entry)
+            if eviction.page_id in host:
+                self.counters.demotions += 1
+            for page_id in pushed_out:
+                self.tiers.forget_if_gone(page_id)
+        self._drop(eviction)
+
+    def _drop(self, eviction: ResidentEviction) -> None:
+        self.pool.free(eviction.seq_id)
+
+    def _forget(self, evictions: list[ResidentEviction] | tuple[ResidentEviction, ...]) -> None:
+        """After the resident books let entries go: the index and logits follow."""
+        for eviction in evictions:
+            self.tiers.forget_if_gone(eviction.page_id)
