@@ -21,7 +21,7 @@ from pathlib import Path
 from runtime_bench import text_tokens
 
 from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
-from skippy_cache.runtime.engine import Engine, EngineConfig
+from skippy_cache.runtime import Engine, EngineConfig
 from skippy_cache.runtime.requests import GenerationRequest
 
 

@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from skippy_cache.runtime.engine import Engine, EngineConfig
+from skippy_cache.runtime import Engine, EngineConfig
 from skippy_cache.runtime.requests import GenerationRequest
 
 WORDS = ["system", "assistant", "policy", "user", "tool", "answer", "question", "context", "memory", "river", "garden", "planet", "number", "letter", "window", "silver", "engine", "careful", "summary", "document", "history", "sequence", "model", "layer", "token", "cache", "prefix", "exact"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
-from skippy_cache.runtime.engine import Engine, EngineConfig
+from skippy_cache.runtime import Engine, EngineConfig
 
 
 def cache(**overrides: object) -> StageKvCacheConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from skippy_cache.runtime.engine import Engine
+from skippy_cache.runtime import Engine
 
 _WORDS = ["the", "cache", "keeps", "state", "of", "every", "prefix", "that", "a", "server", "has", "seen", "so", "that", "a", "later", "request", "with", "the", "same", "system", "prompt", "tool", "list", "or", "conversation", "skips", "its", "prefill", "and", "answers", "sooner", "river", "mountain", "orange", "seven", "quietly", "build", "measure", "exact", "token", "model", "layer", "memory", "sequence", "copy", "lane", "batch", "decode", "sample", "history", "question", "answer", "document", "summary", "careful", "number", "letter", "window", "garden", "silver", "planet", "engine"]
 

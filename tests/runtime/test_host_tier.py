@@ -8,7 +8,7 @@ from fastmode import assert_logits_close
 from prompts import make_tokens
 
 from skippy_cache.host import HostEntry
-from skippy_cache.runtime.engine import Engine, EngineConfig
+from skippy_cache.runtime import Engine, EngineConfig
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
 
 IDLE = 64

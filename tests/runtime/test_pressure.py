@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prompts import make_tokens
 
-from skippy_cache.runtime.engine import Engine, EngineConfig
+from skippy_cache.runtime import Engine, EngineConfig
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from live_server import API_KEY, LiveServer, run_server, warm_up
 
-from skippy_cache.runtime.engine import Engine
+from skippy_cache.runtime import Engine
 from skippy_cache.server import ServerSettings
 
 CTX = 2048

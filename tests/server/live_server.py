@@ -13,7 +13,7 @@ import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from skippy_cache.runtime.engine import Engine
+from skippy_cache.runtime import Engine
 from skippy_cache.runtime.requests import GenerationRequest
 from skippy_cache.server import ServerSettings, create_app
 

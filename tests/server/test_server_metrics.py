@@ -12,7 +12,7 @@ import pytest
 from live_server import LiveServer, run_server, warm_up
 from openai.types import Completion
 
-from skippy_cache.runtime.engine import Engine
+from skippy_cache.runtime import Engine
 from skippy_cache.server import ServerSettings
 from skippy_cache.server.metrics import EngineCollector
 from skippy_cache.server.stats import cache_report

@@ -8,7 +8,7 @@ import pytest
 
 from skippy_cache.__main__ import build_parser
 from skippy_cache.config import StageKvCacheMode
-from skippy_cache.runtime.engine import EngineConfig
+from skippy_cache.runtime import EngineConfig
 from skippy_cache.server.settings import OPTIONS, ServerSettings, SettingsError, load_settings
 
 MIB = 1024 * 1024

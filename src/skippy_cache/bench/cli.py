@@ -306,7 +306,7 @@ def _goals_table(checks: list[Goal]) -> Table:
 
 
 def _cores() -> int:
-    from skippy_cache.runtime.engine import available_cores
+    from skippy_cache.runtime import available_cores
 
     return available_cores()
 

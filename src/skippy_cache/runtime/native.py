@@ -105,6 +105,10 @@ class NativeModel:
             n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
+    def special_text(self, token: int) -> str:
+        """A special token's text (`<|im_start|>`), or "" when the model has none (-1)."""
+        return self.token_bytes(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
+
     def is_eog(self, token: int) -> bool:
         return bool(ll.llama_vocab_is_eog(self.vocab, token))
 

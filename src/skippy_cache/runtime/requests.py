@@ -46,6 +46,30 @@ class GenerationRequest:
     keep_first_logits: bool = False
 
 
+def validate_request(request: GenerationRequest, *, n_vocab: int, n_ctx: int) -> None:
+    """Raise `RequestError` for a request that could never run on a context of `n_ctx` cells."""
+    if not request.tokens:
+        raise RequestError("the prompt is empty", param="prompt")
+    for token in request.tokens:
+        if not 0 <= token < n_vocab:
+            raise RequestError(f"token id {token} is outside the vocabulary (0..{n_vocab - 1})", param="prompt")
+    if request.max_tokens < 1:
+        raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+    if len(request.tokens) >= n_ctx:
+        raise RequestError(
+            f"the prompt has {len(request.tokens)} tokens; the context holds {n_ctx}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if len(request.tokens) + request.max_tokens > n_ctx:
+        raise RequestError(
+            f"prompt ({len(request.tokens)} tokens) plus max_tokens ({request.max_tokens}) "
+            f"exceeds the context of {n_ctx} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
 class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"

