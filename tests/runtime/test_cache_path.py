@@ -22,6 +22,22 @@ def test_fast_mode_hit_covers_exactly_the_shared_prefix(fast_engine):
     assert fast_engine.generate(GenerationRequest(tokens=shorter, max_tokens=1)).stats.cached_tokens == 199
 
 
+def test_a_follow_up_reuses_the_reply_the_lane_generated(fast_engine):
+    # A chat's next turn resends the reply inside its history: the lane's whole
+    # sequence was recorded when the request ended, so the reply is not prefilled again.
+    fast_engine.clear_cache()
+    prompt = make_tokens(fast_engine, 150, seed=11)
+    first = fast_engine.generate(GenerationRequest(tokens=prompt, max_tokens=12))
+    # Every generated token is fed back, except the last when generation stopped on the length limit.
+    fed = len(first.tokens) - (1 if first.finish_reason is FinishReason.LENGTH else 0)
+    follow_up = prompt + list(first.tokens) + make_tokens(fast_engine, 30, seed=12)
+    second = fast_engine.generate(GenerationRequest(tokens=follow_up, max_tokens=1))
+    assert second.stats.cached_tokens == len(prompt) + fed
+    # The prompt alone is still an exact repeat (its own entry keeps the first-token logits).
+    assert fast_engine.generate(GenerationRequest(tokens=prompt, max_tokens=1)).stats.cached_tokens == len(prompt)
+    assert fast_engine.invariant_failures == []
+
+
 def test_deterministic_hit_reuses_exactly_the_policy_grid_length(exact_engine):
     exact_engine.clear_cache()
     policy = exact_engine.info.policy

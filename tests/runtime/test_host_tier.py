@@ -21,7 +21,9 @@ def engine():
     engine.close()
 
 
-def _run(engine: Engine, tokens: list[int], max_tokens: int = 8):
+def _run(engine: Engine, tokens: list[int], max_tokens: int = 1):
+    # One token: the lane's sequence is then the prompt alone, and each prompt
+    # records exactly one entry (a longer reply would record a second one).
     return engine.generate(GenerationRequest(tokens=tokens, max_tokens=max_tokens, keep_first_logits=True))
 
 
@@ -77,7 +79,7 @@ def test_a_partial_hit_restores_the_entry_and_keeps_the_shared_prefix(engine):
 def test_a_payload_llama_cpp_refuses_is_served_as_a_miss(engine):
     engine.clear_cache()
     prompt = make_tokens(engine, 260, seed=46)
-    cold = _run(engine, prompt, max_tokens=4)
+    cold = _run(engine, prompt)
     _run(engine, make_tokens(engine, 200, seed=47), max_tokens=1)
 
     def corrupt_every_host_entry() -> int:

@@ -158,7 +158,7 @@ def test_host_tier_demotion_and_restore_in_metrics_and_report(host_server: LiveS
 
     # A prompt over min_tokens (64): recorded as one whole-prompt entry.
     prompt = "Host tier test: " + " ".join(f"item {i} of the list." for i in range(14))
-    first = complete(prompt, 2)
+    first = complete(prompt, 1)  # one token: the prompt is the lane's whole sequence, one entry
     n_prompt = first.usage.prompt_tokens
     assert n_prompt > 64, n_prompt
     assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -188,7 +188,7 @@ def test_host_tier_demotion_and_restore_in_metrics_and_report(host_server: LiveS
     assert value(samples, "skippy_cache_resident_entries") == 0
 
     # The same prompt again: its whole-prompt state restored from the host tier, every token cached.
-    again = complete(prompt, 2)
+    again = complete(prompt, 1)
     assert again.usage.prompt_tokens == n_prompt
     assert again.usage.prompt_tokens_details.cached_tokens == n_prompt
     restored = report()

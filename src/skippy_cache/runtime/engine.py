@@ -416,9 +416,12 @@ class Engine:
         lane.next_token = lane.prompt[-1]
 
     def _finish(self, lane: Lane, reason: FinishReason, error: str | None = None) -> None:
-        tail = lane.stream.finish().text if reason in (FinishReason.STOP, FinishReason.LENGTH) else ""
+        completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        tail = lane.stream.finish().text if completed else ""
         if tail:
             self._emit(lane.sink, TokenEvent(-1, tail))
+        if completed:
+            self.cache.finished(lane)
         self._release_lane(lane)
         stats = lane.stats(time.perf_counter())
         self._requests_done += 1

@@ -8,10 +8,12 @@ A new lane goes through three explicit steps, each called by the engine:
 3. `settle`: the hit is counted (once, in `CacheCounters`), and what the lane
    will record is planned.
 
-Records: fast mode records one entry per prompt, the whole prompt with its
-first-token logits, right after the last prompt token's decode (`first_logits`);
-deterministic mode records the seed's grid lengths when prefill reaches them
-(`prefill_done`).
+Records: fast mode records the whole prompt with its first-token logits right
+after the last prompt token's decode (`first_logits`), and when the request
+ends, the lane's whole sequence, prompt and reply (`finished`): the next turn
+of a chat resends that reply inside its history, and reuses it instead of
+prefilling it again. Deterministic mode records the seed's grid lengths when
+prefill reaches them (`prefill_done`).
 
 Entries leave the pool when a record's budget, a decode or idleness needs their
 cells; with a host tier their exact state is copied out first (demotion).
@@ -140,8 +142,31 @@ class PrefixCache:
             self._record(lane, lane.whole_prompt, logits)
             lane.whole_prompt = None
 
-    def _record(self, lane: Lane, prefix: PrefixIdentity | None, logits: np.ndarray | None = None) -> bool:
+    def finished(self, lane: Lane) -> None:
+        """The request ended: record the lane's sequence, prompt and the reply tokens fed back (fast mode).
+
+        The cells hold `(prompt + generated)[:n_past]`: the last sampled token
+        is fed back only if generation went on after it. Their KV is exact
+        state for those tokens, so a later prompt that starts with them (the
+        next chat turn) reuses the reply too. Cells are shared with the
+        whole-prompt entry, so only the reply's are new.
+        """
+        if self.on_grid or not (self.mode.records and lane.request.record) or lane.n_past <= len(lane.prompt):
+            return
+        tokens = (lane.prompt + lane.generated)[: lane.n_past]
+        self._record(lane, prefix_identity(lane.space, tokens), tokens=tokens)
+
+    def _record(
+        self,
+        lane: Lane,
+        prefix: PrefixIdentity | None,
+        logits: np.ndarray | None = None,
+        *,
+        tokens: list[int] | None = None,
+    ) -> bool:
         """Record the lane's first `prefix.token_count` cells as an entry; False when nothing was saved.
+
+        `tokens` are the entry's tokens for the index (default: the prompt's).
 
         Nothing is saved below `min_tokens`, when the entry exists already,
         when it alone exceeds a budget, or when pending records leave no room
@@ -166,7 +191,7 @@ class PrefixCache:
             self.tiers.logits[prefix.page_id] = logits
         resident.commit_record(prefix.page_id, allocation.seq_id, n, nbytes)
         if not self.on_grid:
-            self.tiers.file(prefix.page_id, lane.space, lane.prompt[:n])
+            self.tiers.file(prefix.page_id, lane.space, (tokens if tokens is not None else lane.prompt)[:n])
         self.counters.records += 1
         return True
 
