@@ -17,11 +17,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from skippy_cache.bench.client import BenchClient, Reply
+from skippy_cache.bench.llamaserver import ENV as LLAMA_SERVER_ENV
+from skippy_cache.bench.llamaserver import find_llama_server
 from skippy_cache.bench.report import render_table, write_chart, write_json
 from skippy_cache.bench.run import FULL, QUICK, WORKLOADS, Run, Sizes, planned_requests
 from skippy_cache.bench.summary import Goal, figures, goals, overheads
 from skippy_cache.bench.targets import (
-    PEERS,
+    LLAMA_SERVER,
+    PEER_KINDS,
     SKIPPY,
     SKIPPY_OFF,
     Target,
@@ -50,6 +53,8 @@ class BenchConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     seed: int = 0
     reference: str | None = None
+    #: The llama-server binary for the llama-server peer (None: look it up or build it).
+    llama_server: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +77,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer",
         action="append",
         default=[],
-        choices=sorted(PEERS),
+        choices=sorted(PEER_KINDS),
         help="start a peer server on the same model and n_ctx (repeatable): llama-cpp-python "
-        "(as shipped) or llama-cpp-python-cache (with its RAM prompt cache)",
+        "(as shipped), llama-cpp-python-cache (with its RAM prompt cache) or llama-server "
+        "(llama.cpp's own, 4 slots over one unified pool)",
+    )
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"the llama-server binary for --peer llama-server (default: ${LLAMA_SERVER_ENV}, then PATH, "
+        "else built from llama-cpp-python's vendored llama.cpp into OUT/peers/, about 8 minutes)",
     )
     parser.add_argument(
         "--no-skippy",
@@ -169,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout_s=args.timeout,
         seed=args.seed,
         reference=args.reference,
+        llama_server=args.llama_server,
     )
 
 
@@ -194,11 +209,15 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
         f"[bold]skippy-cache bench[/]: starting {len(config.specs)} target(s) "
         f"(n_ctx {config.ctx_size}, model {model})"
     )
+    llama_server = None
+    if any(s.kind == LLAMA_SERVER for s in config.specs):
+        llama_server = find_llama_server(config.llama_server, config.out_dir, console)
     with running_targets(
         config.specs,
         model=model or Path(),
         ctx_size=config.ctx_size,
         log_dir=config.out_dir / f"logs-{stamp}",
+        llama_server=llama_server,
     ) as targets:
         for t in targets:
             state = f"[red]NOT READY: {t.error}[/]" if t.error else "[green]ready[/]"
@@ -208,7 +227,7 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
     reference = config.reference or (SKIPPY if SKIPPY in labels else labels[0])
     figs = figures(run.measurements, run.spans, labels, config.sizes, config.workloads)
     off = SKIPPY_OFF if SKIPPY_OFF in labels else None
-    peer_labels = [t.label for t in targets if t.kind in PEERS or t.kind == "url"]
+    peer_labels = [t.label for t in targets if t.kind in PEER_KINDS or t.kind == "url"]
     checks = goals(figs, config.sizes, reference, off, peer_labels)
     failed = sum(not m.ok for m in run.measurements)
     document = {
@@ -296,7 +315,7 @@ async def _drive(config: BenchConfig, targets: list[Target], console: Console) -
 
 
 def _goals_table(checks: list[Goal]) -> Table:
-    table = Table(title="issue 5 targets", header_style="bold")
+    table = Table(title="targets", header_style="bold")
     for col in ("target", "want", "got", "met"):
         table.add_column(col)
     for g in checks:

@@ -8,10 +8,11 @@ None where nothing was measured (every request failed, or the server reports no 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from skippy_cache.bench.run import Measurement, Sizes, Span
+from skippy_cache.bench.targets import LLAMA_SERVER
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,4 +232,34 @@ def goals(figs: list[Figure], sizes: Sizes, reference: str, off: str | None, pee
         loss = overheads(figs, reference, off)["throughput_loss_pct"]
         if loss is not None:
             out.append(Goal("zero: throughput lost to the cache", "<= 3%", f"{loss:+.1f}%", loss <= 3))
+    if LLAMA_SERVER in peers:
+        out += _against_llama_server(value, sizes, reference)
+    return out
+
+
+def _against_llama_server(
+    value: Callable[[str, str, str], float | None], sizes: Sizes, reference: str
+) -> list[Goal]:
+    """Where users compare us with llama-server: at most its TTFT (half of it on hits), at least its throughput."""
+    out: list[Goal] = []
+
+    def compare(workload: str, name: str, want: float, what: str, higher: bool = False) -> None:
+        ours, theirs = value(workload, name, reference), value(workload, name, LLAMA_SERVER)
+        if ours is None or theirs is None or theirs == 0:
+            return
+        ratio = ours / theirs
+        if higher:
+            out.append(Goal(f"{what} vs llama-server", f">= {want:g}x", f"{ratio:.2f}x", ratio >= want))
+        else:
+            out.append(Goal(f"{what} vs llama-server", f"<= {want:g}x", f"{ratio:.2f}x", ratio <= want))
+
+    for turn in range(1, sizes.chat_turns + 1):
+        compare("chat", f"turn {turn}: TTFT p50", 1.0 if turn == 1 else 0.5, f"chat turn {turn} TTFT p50")
+    compare("chat", "all turns: cached share", 1.0, "chat cached share", higher=True)
+    size = max(sizes.warm_prompt_tokens)
+    compare("warm", f"P={size}: cold TTFT", 1.0, f"warm P={size} cold TTFT")
+    compare("warm", f"P={size}: warm TTFT median", 0.5, f"warm P={size} warm hit")
+    compare("tenants", "later rounds: TTFT p50", 0.5, "tenants later-round p50")
+    compare("tenants", "later rounds: TTFT p90", 0.5, "tenants later-round p90")
+    compare("zero", "requests per second", 1.0, "zero throughput", higher=True)
     return out

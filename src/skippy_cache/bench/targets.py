@@ -1,5 +1,5 @@
 """The servers a run measures: ones the bench starts (skippy-cache, its cache-off twin, the
-llama-cpp-python peer) and ones already running (`--url LABEL=URL`).
+llama-cpp-python and llama-server peers) and ones already running (`--url LABEL=URL`).
 
 A server that fails to start is not fatal: its `Target` carries the error and every request to
 it fails fast, so the report shows it as failures instead of the run stopping.
@@ -35,12 +35,15 @@ PEERS = {
     # restores the longest cached prefix, the nearest thing it has to skippy-cache's reuse.
     "llama-cpp-python-cache": ["--cache", "True"],
 }
+#: llama.cpp's own server (llamaserver.py finds or builds the binary).
+LLAMA_SERVER = "llama-server"
+PEER_KINDS = (*PEERS, LLAMA_SERVER)
 STARTUP_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
-    """What to measure: `kind` is "skippy-cache", "skippy-cache-off", a PEERS key, or "url"."""
+    """What to measure: `kind` is "skippy-cache", "skippy-cache-off", a PEER_KINDS entry, or "url"."""
 
     label: str
     kind: str
@@ -90,7 +93,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(kind: str, port: int, model: Path, ctx_size: int) -> list[str]:
+def server_command(kind: str, port: int, model: Path, ctx_size: int, llama_server: Path | None = None) -> list[str]:
     if kind in ("skippy-cache", "skippy-cache-off"):
         cmd = [
             sys.executable,
@@ -110,6 +113,12 @@ def server_command(kind: str, port: int, model: Path, ctx_size: int) -> list[str
         ]
         return cmd + (["--cache-mode", "off"] if kind == "skippy-cache-off" else [])
     threads = str(available_cores())
+    if kind == LLAMA_SERVER:
+        assert llama_server is not None, "the llama-server peer needs its binary (find_llama_server)"
+        # As users run it for 4 concurrent clients: 4 slots over one unified pool of ctx_size
+        # cells (without --kv-unified each slot gets ctx_size / 4), as many threads as skippy-cache.
+        return [str(llama_server), "-m", str(model), "-c", str(ctx_size), "-np", "4", "--kv-unified",
+                "-t", threads, "--host", "127.0.0.1", "--port", str(port)]
     return [
         sys.executable,
         "-m",
@@ -190,7 +199,7 @@ def _stop(target: Target) -> None:
 
 @contextmanager
 def running_targets(
-    specs: list[TargetSpec], *, model: Path, ctx_size: int, log_dir: Path
+    specs: list[TargetSpec], *, model: Path, ctx_size: int, log_dir: Path, llama_server: Path | None = None
 ) -> Iterator[list[Target]]:
     """Start every server the specs ask for (all at once, then wait for each), stop them on exit."""
     targets: list[Target] = []
@@ -201,7 +210,7 @@ def running_targets(
                 targets.append(Target(spec.label, spec.kind, spec.url))
                 continue
             port = free_port()
-            command = server_command(spec.kind, port, model, ctx_size)
+            command = server_command(spec.kind, port, model, ctx_size, llama_server)
             log_dir.mkdir(parents=True, exist_ok=True)
             log_path = log_dir / f"{spec.kind}.log"
             with log_path.open("wb") as log:
