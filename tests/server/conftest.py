@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from live_server import API_KEY, LiveServer, run_server, warm_up
+from live_server import API_KEY, LiveServer, run_own_server, run_server, warm_up
 
 from skippy_cache.runtime import Engine
 from skippy_cache.server import ServerSettings
@@ -43,13 +43,7 @@ def exact_server() -> Iterator[LiveServer]:
     occupancy move the logits' last bits and may flip a greedy choice between
     two runs of one prompt; deterministic mode gives the same text every time.
     """
-    settings = ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=16, deterministic=True)
-    engine = Engine(settings.engine_config())
-    warm_up(engine)
-    try:
-        yield from run_server(engine, settings)
-    finally:
-        engine.close(drain=False)
+    yield from run_own_server(ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=16, deterministic=True))
 
 
 @pytest.fixture(scope="session")

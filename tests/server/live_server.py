@@ -72,6 +72,16 @@ def warm_up(engine: Engine) -> None:
     engine.generate(GenerationRequest(tokens=engine.tokenize("Hello"), max_tokens=2), timeout=300)
 
 
+def run_own_server(settings: ServerSettings) -> Iterator[LiveServer]:
+    """A live server over an engine of its own, built from `settings` and closed after."""
+    engine = Engine(settings.engine_config())
+    warm_up(engine)
+    try:
+        yield from run_server(engine, settings)
+    finally:
+        engine.close(drain=False)
+
+
 def run_server(engine: Engine, settings: ServerSettings) -> Iterator[LiveServer]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

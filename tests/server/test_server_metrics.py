@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from live_server import LiveServer, run_server, warm_up
+from live_server import LiveServer, run_own_server
 from openai.types import Completion
 
 from skippy_cache.runtime import Engine
@@ -127,14 +127,9 @@ def test_cache_endpoint_reports_budgets_and_stats(server: LiveServer) -> None:
 
 @pytest.fixture(scope="module")
 def host_server() -> Iterator[LiveServer]:
-    # Fast mode records one entry per prompt: the whole prompt, with its first-token logits.
+    # A prompt answered with one token records one entry: the whole prompt, with its first-token logits.
     settings = ServerSettings(ctx_size=1024, lanes=1, queue_size=4, host_cache_mib=HOST_MIB, idle_tokens=IDLE_TOKENS)
-    engine = Engine(settings.engine_config())
-    warm_up(engine)
-    try:
-        yield from run_server(engine, settings)
-    finally:
-        engine.close(drain=False)
+    yield from run_own_server(settings)
 
 
 def test_host_tier_demotion_and_restore_in_metrics_and_report(host_server: LiveServer) -> None:
