@@ -361,12 +361,13 @@ class Engine:
             stream=TextStream(request.stop),
             reserve=admission.reserve,
             t_submit=waiting.t_submit,
-            space=self.cache.space(request),
         )
         with self._cv:
             self.scheduler.start(lane)
-        # Where a hit is decided: the core plans it, `apply` puts it on the
-        # lane (a seq_cp or a restore), `settle` counts it and plans the records.
+        # Where a hit is decided: the prompt is named (hashed) once, the core
+        # plans the hit, `apply` puts it on the lane (a seq_cp or a restore),
+        # `settle` counts it and plans the records.
+        self.cache.name(lane)
         hit = self.cache.apply(self.cache.plan(lane), lane)
         self.cache.settle(hit, lane)
         if hit.logits is not None:

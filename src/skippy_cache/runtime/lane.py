@@ -45,13 +45,17 @@ class Lane:
     next_token: int = -1
     generated: list[int] = field(default_factory=list)
     first_logits: np.ndarray | None = None
+    #: The prompt's names, hashed once at admission (`PrefixCache.name`): the identity of
+    #: everything but the tokens (where the prefix index files this prompt); the whole
+    #: prompt's identity (fast mode; None below min_tokens); the grid lengths' identities
+    #: (deterministic mode: the lengths looked up and the lengths recorded).
+    space: Hashable | None = None
+    prompt_identity: PrefixIdentity | None = None
+    identities: dict[int, PrefixIdentity] = field(default_factory=dict)
     #: Recorded with its first-token logits right after the last prompt token's decode.
     whole_prompt: PrefixIdentity | None = None
-    #: The identity of everything but the tokens: where the prefix index files this prompt.
-    space: Hashable | None = None
-    #: Deterministic mode: grid lengths to record when prefill reaches them, and their identities.
+    #: Deterministic mode: grid lengths to record when prefill reaches them.
     record_lengths: list[int] = field(default_factory=list)
-    identities: dict[int, PrefixIdentity] = field(default_factory=dict)
 
     @property
     def request(self) -> GenerationRequest:

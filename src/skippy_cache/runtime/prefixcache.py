@@ -1,6 +1,7 @@
 """The prefix cache in the runtime: a lane's hit (plan, apply, settle), its records, and the tiers' upkeep.
 
-A new lane goes through three explicit steps, each called by the engine:
+A new lane goes through explicit steps, each called by the engine:
+0. `name`: the prompt's identities are hashed, once per request;
 1. `plan`: the core decides (`CacheTiers.plan`, pure) what the lane would
    reuse, from which tier, and why not more;
 2. `apply`: the hit is put on the lane's sequence: a `seq_cp` from a resident
@@ -66,9 +67,21 @@ class PrefixCache:
 
     # -- a new lane: plan -> apply -> settle ---------------------------------------
 
-    def space(self, request: GenerationRequest) -> IdentityKey:
-        """Everything but the tokens that decides which KV a prompt produces."""
-        return self.identity_key.with_namespace(request.namespace)
+    def name(self, lane: Lane) -> None:
+        """Hash the lane's prompt once: its space, and the identities its lookup and records use."""
+        request = lane.request
+        lane.space = self.identity_key.with_namespace(request.namespace)
+        if not ((self.mode.looks_up and request.lookup) or (self.mode.records and request.record)):
+            return  # nothing to look up or record: no hashing
+        if self.on_grid:
+            # A lane's own cells start a fresh aligned run, so only grid lengths are reusable.
+            lengths = self.policy.candidate_token_counts(lane.prefill_end)
+            lengths += self.policy.record_candidate_token_counts(lane.prefill_end)
+            on_grid = {n for n in lengths if n % self.policy.grid_tokens == 0}
+            lane.identities = prefix_identities(lane.space, request.tokens[: lane.prefill_end], on_grid)
+        elif len(request.tokens) >= max(self.tiers.min_tokens, 1):
+            whole_key = self._whole_prompt_key.with_namespace(request.namespace)
+            lane.prompt_identity = prefix_identity(whole_key, request.tokens)
 
     def plan(self, lane: Lane) -> Hit:
         """What the lane would reuse, from where, and why not more. Changes nothing."""
@@ -76,9 +89,10 @@ class PrefixCache:
         prefix = request.tokens[: lane.prefill_end]
         refused = self._refusal(request)
         if self.on_grid:
-            grid = self._grid_identities(lane, self.policy.candidate_token_counts(lane.prefill_end))
-            return self.tiers.plan(Query(lane.space, prefix, grid=tuple(grid), refused=refused))
-        whole = self._whole_prompt_identity(request) if refused is None else None
+            lookups = self.policy.candidate_token_counts(lane.prefill_end)
+            grid = tuple(lane.identities[n] for n in lookups if n in lane.identities)
+            return self.tiers.plan(Query(lane.space, prefix, grid=grid, refused=refused))
+        whole = lane.prompt_identity if refused is None else None
         return self.tiers.plan(Query(lane.space, prefix, whole=whole, refused=refused))
 
     def apply(self, hit: Hit, lane: Lane) -> Hit:
@@ -118,15 +132,14 @@ class PrefixCache:
             if hit.whole:
                 # The whole entry came back: resident again, sharing the lane's
                 # cells, so the next repeat is a `seq_cp`.
-                self._record(lane, self._whole_prompt_identity(lane.request), hit.logits)
+                self._record(lane, lane.prompt_identity, hit.logits)
         if not (self.mode.records and lane.request.record) or hit.whole:
             return
         if self.on_grid:
             lengths = self.policy.record_candidate_token_counts(lane.prefill_end)
-            lane.record_lengths = [n for n in lengths if n % self.policy.grid_tokens == 0]
-            lane.identities = self._grid_identities_by_length(lane, lane.record_lengths)
+            lane.record_lengths = [n for n in lengths if n in lane.identities]
         else:
-            lane.whole_prompt = self._whole_prompt_identity(lane.request)
+            lane.whole_prompt = lane.prompt_identity
 
     # -- records ---------------------------------------------------------------------
 
@@ -264,20 +277,6 @@ class PrefixCache:
         if len(request.tokens) < max(self.tiers.min_tokens, 1):
             return Why.BELOW_MIN_TOKENS
         return None
-
-    def _whole_prompt_identity(self, request: GenerationRequest) -> PrefixIdentity | None:
-        if len(request.tokens) < max(self.tiers.min_tokens, 1):
-            return None
-        return prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
-
-    def _grid_identities(self, lane: Lane, lengths: list[int]) -> list[PrefixIdentity]:
-        by_length = self._grid_identities_by_length(lane, lengths)
-        return [by_length[n] for n in sorted(by_length, reverse=True)]
-
-    def _grid_identities_by_length(self, lane: Lane, lengths: list[int]) -> dict[int, PrefixIdentity]:
-        # A lane's own cells start a fresh aligned run, so only grid lengths are reusable.
-        on_grid = {n for n in lengths if n % self.policy.grid_tokens == 0}
-        return prefix_identities(lane.space, lane.request.tokens[: lane.prefill_end], on_grid) if on_grid else {}
 
     def _restore(self, hit: Hit, lane_seq: int) -> bool | None:
         """Restore a host entry onto an empty lane, keeping its first `hit.length` positions.
