@@ -150,6 +150,10 @@ class CacheCounters:
     idle_evictions: int = 0
     #: Evicted entries whose state was copied to the host tier.
     demotions: int = 0
+    #: New lanes that shared the cells of a prefix another running lane was
+    #: prefilling, and the tokens that saved them beyond their own hit.
+    joins: int = 0
+    join_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

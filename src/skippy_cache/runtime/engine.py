@@ -3,9 +3,12 @@
 A step is schedule -> decode -> post-process:
 - admit waiting requests onto free lanes (scheduler.py); a new lane starts
   from the cache's hit, decided in one place (prefixcache.py: the core plans,
-  `apply` puts it on the lane, `settle` counts it);
+  `apply` puts it on the lane, `settle` counts it); a lane whose prefix
+  another lane is prefilling right now waits for those cells and shares them
+  (inflight.py);
 - fill one batch with every decoding lane's next token and prefill chunks
-  (ending on the record grid) of the rest, up to `n_batch` tokens (batching.py);
+  (ending on the record grid) of the rest, ordered so that first tokens come
+  out early (batching.py);
 - evict (demote) LRU cache entries until the batch's cells are free, then
   `llama_decode` through the cell pool (pool.py);
 - sample, stream, record finished prompts into the cache, free finished lanes,
@@ -36,6 +39,7 @@ from skippy_cache.radix import PrefixIndex
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.runtime.batching import BatchBuilder, Planned
 from skippy_cache.runtime.gguf_info import default_model_path, read_gguf_info
+from skippy_cache.runtime.inflight import InflightJoins
 from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, available_cores
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel, Sampler, runtime_abi
@@ -116,7 +120,8 @@ class Engine:
         )
         self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue, one_at_a_time=det)
         self._batch = Batch(config.n_batch)
-        self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det)
+        self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det, fill_tokens=config.fill_tokens)
+        self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens)
         # The seed reserves two sequence ids per lane; the ids past the lanes
         # are spare, and deterministic mode pads with the first of them.
         self.placement = AlignedPlacement(self.pool, config.lanes, config.n_batch) if det else FreePlacement()
@@ -307,6 +312,9 @@ class Engine:
         """One schedule -> decode -> post-process round; False when there was nothing to do."""
         self._reap_cancelled()
         self._admit()
+        for lane in self.joins.poll(self.scheduler.lanes):
+            if lane.n_past >= lane.prefill_end:
+                self._prefill_done(lane)
         planned = self._builder.fill(self.scheduler.lanes)
         if not planned:
             return False
@@ -377,7 +385,10 @@ class Engine:
             if request.keep_first_logits:
                 lane.first_logits = hit.logits.copy()
             self._take_token(lane, lane.sampler.sample_logits(hit.logits))
-        elif lane.n_past >= lane.prefill_end:
+            return
+        if self.cache.looks_up(lane) and self.joins.join(lane, self.scheduler.lanes):
+            return
+        if lane.n_past >= lane.prefill_end:
             self._prefill_done(lane)
 
     def _after_decode(self, item: Planned) -> None:

@@ -31,6 +31,10 @@ class EngineConfig:
     ctx_size: int = 8192
     lanes: int = 4
     n_batch: int = 512
+    #: Further lanes' prefill chunks join a step only while it holds fewer
+    #: tokens than this (batching.py): about where a CPU matmul stops getting
+    #: cheaper per token (SmolLM2-135M on 2 cores: 6.3 ms/token at 64, 4.6 at 128 and 256).
+    fill_tokens: int = 128
     #: None: every available core (1 in deterministic mode).
     threads: int | None = None
     cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)

@@ -22,6 +22,8 @@ class Phase(Enum):
     LAST_TOKEN = "last-token"
     #: Feeding back the sampled token.
     DECODE = "decode"
+    #: Waiting for `leader`, a running lane, to compute the prefix both share (inflight.py).
+    JOIN = "join"
 
 
 @dataclass(slots=True, eq=False)
@@ -56,6 +58,9 @@ class Lane:
     whole_prompt: PrefixIdentity | None = None
     #: Deterministic mode: grid lengths to record when prefill reaches them.
     record_lengths: list[int] = field(default_factory=list)
+    #: Phase JOIN: the lane whose cells of positions [0, join_at) this one will share.
+    leader: Lane | None = None
+    join_at: int = 0
 
     @property
     def request(self) -> GenerationRequest:

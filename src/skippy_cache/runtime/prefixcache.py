@@ -83,6 +83,14 @@ class PrefixCache:
             whole_key = self._whole_prompt_key.with_namespace(request.namespace)
             lane.prompt_identity = prefix_identity(whole_key, request.tokens)
 
+    def looks_up(self, lane: Lane) -> bool:
+        """The lane may share cells computed for another request: a fast-mode lookup the request allows.
+
+        Deterministic mode never does: its lanes run one at a time, each on a
+        fresh aligned run of cells.
+        """
+        return not self.on_grid and self.mode.looks_up and lane.request.lookup
+
     def plan(self, lane: Lane) -> Hit:
         """What the lane would reuse, from where, and why not more. Changes nothing."""
         request = lane.request

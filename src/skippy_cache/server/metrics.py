@@ -127,6 +127,13 @@ class EngineCollector(Collector):
             "skippy_cache_restore_failures": (
                 "Host tier restores llama.cpp refused (served as misses)", n.restore_failures
             ),
+            "skippy_cache_inflight_joins": (
+                "Requests that shared the cells of a prefix another running request was prefilling",
+                n.joins,
+            ),
+            "skippy_cache_inflight_join_tokens": (
+                "Prompt tokens those requests shared instead of prefilling them again", n.join_tokens
+            ),
             "skippy_engine_steps": ("Engine steps (one llama_decode each)", s.steps),
             "skippy_engine_decode_failures": ("llama_decode calls that failed", s.decode_failures),
         }
