@@ -92,7 +92,7 @@ def main() -> None:
     print(f"  rounds 2-3 TTFT median {statistics.median(later):.1f} ms "
           f"({statistics.median(rounds[0]) / statistics.median(later):.1f}x faster)")
     print(f"  hit rate {hits}/{total} = {hits / total:.0%}, cached tokens {cached_tokens / prompt_tokens:.0%} of prompt tokens")
-    print(f"  wall time {wall:.1f} s for {total} requests; {engine.stats().cache.counters.host_hits} hits restored from the host tier")
+    print(f"  wall time {wall:.1f} s for {total} requests; {engine.stats().cache.counters.restores} hits restored from the store")
     engine.close()
 
 

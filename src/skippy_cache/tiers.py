@@ -3,24 +3,26 @@
 Tiers, fastest first:
 - resident: entries whose cells sit in the llama.cpp pool (`ResidentPrefixCache`);
   reusing one is a `seq_cp`, nothing is copied;
-- state tiers: exact sequence states outside the pool, today the host tier in
-  RAM (`HostTier`); reusing one is a restore. A tier is anything that keeps
-  `HostEntry` values by page id behind the `StateTier` interface, so a disk or
-  a remote tier slots in here without touching the engine.
+- the state store: exact sequence states outside the pool, cut into chunks of
+  token rows and kept in RAM and on disk (the runtime's `StateStore`, behind the
+  `StateTier` interface); reusing one is a restore of the chunks it needs.
 
 Fast mode files the tokens of every entry in the token radix index
-(`PrefixIndex`), so a hit may be any leading part of any entry. Deterministic
-mode has no index: it looks up the seed's grid lengths, resident only, because
-a lane's own cells must start a fresh run aligned with the 64-token grid.
+(`PrefixIndex`), so a hit may be any leading part of any entry held by this
+process. The store is also probed by name: chunk i of a prompt is named by the
+prefix identity at its end, so chunks written before a restart (or by another
+process) are found from the prompt alone. Deterministic mode has no index and
+no store: it looks up the seed's grid lengths, resident only, because a lane's
+own cells must start a fresh run aligned with the 64-token grid.
 
 `plan` is pure: it reads the books and touches nothing (no recency, no
 counters), so the same call answers "what would this request reuse?" without
 running it. The runtime then applies the hit and counts it once.
 
 Invariants, checked by `check_invariants`:
-- with an index, a page is indexed iff it is resident or in a state tier;
-- first-token logits are kept only for resident pages (a state tier keeps its
-  own copy in the entry);
+- with an index, a page is indexed iff it is resident or in the store;
+- first-token logits are kept here only for resident pages (the store keeps
+  its own copy);
 - each tier's own invariants.
 """
 
@@ -33,7 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
-from skippy_cache.host import HostEntry, HostTier, HostTierStats
+from skippy_cache.chunkstore import ChunkStoreStats
 from skippy_cache.identity import PageId, PrefixIdentity
 from skippy_cache.radix import PrefixIndex
 from skippy_cache.resident import ResidentCacheStats, ResidentPrefixCache
@@ -45,6 +47,7 @@ class Source(str, enum.Enum):
     NONE = "none"
     RESIDENT = "resident"
     RAM = "ram"
+    DISK = "disk"
 
 
 class Why(str, enum.Enum):
@@ -61,8 +64,10 @@ class Why(str, enum.Enum):
     #: Nothing cached shares `min_tokens` leading tokens with the prompt.
     NEVER_SEEN = "never_seen"
     BELOW_MIN_TOKENS = "below_min_tokens"
-    #: A state tier holds it, but the pool had no free cells to restore it into.
+    #: The store holds it, but the pool had no free cells to restore it into.
     NO_ROOM = "no_room"
+    #: The store holds it, but restoring from its tier is measured slower than prefilling.
+    RESTORE_SLOWER = "restore_slower"
     #: The request asked not to look up.
     LOOKUP_OFF = "lookup_off"
     CACHE_DISABLED = "cache_disabled"
@@ -77,6 +82,7 @@ class Hit:
     length: int
     why: Why
     #: An exact repeat's first-token logits (the lane samples from them; no decode).
+    #: None on an exact repeat found in the store by name: they are read with its chunks.
     logits: np.ndarray | None = None
 
     @classmethod
@@ -102,28 +108,37 @@ class Query:
     whole: PrefixIdentity | None = None
     #: Deterministic mode: the grid lengths to look up, longest first; None in fast mode.
     grid: tuple[PrefixIdentity, ...] | None = None
+    #: Fast mode with a store: the identities at every multiple of its chunk size, shortest first.
+    chunks: tuple[PrefixIdentity, ...] = ()
     #: Set when the request may not look up at all, with the reason.
     refused: Why | None = None
 
 
 class StateTier(Protocol):
-    """A tier of exact sequence states outside the pool, keyed by page id."""
+    """Exact sequence states outside the pool, as the plan sees them.
+
+    Pages are entries this process put there (indexed by their tokens); a
+    probe finds chunks by name, whoever wrote them.
+    """
 
     def __contains__(self, page_id: object) -> bool: ...
 
-    def peek(self, page_id: PageId) -> HostEntry | None: ...
+    def available(self, page_id: PageId) -> tuple[int, Source]:
+        """How many leading tokens of the page can be restored now, and from the slowest tier involved."""
+        ...
 
-    def get(self, page_id: PageId) -> HostEntry | None: ...
+    def whole_logits(self, page_id: PageId) -> np.ndarray | None:
+        """A whole-prompt page's first-token logits, if the page is held in full."""
+        ...
 
-    def put(self, page_id: PageId, entry: HostEntry) -> list[PageId]: ...
-
-    def discard(self, page_id: PageId) -> bool: ...
+    def probe(self, chunks: Sequence[PrefixIdentity], whole: PrefixIdentity | None) -> tuple[int, Source, bool]:
+        """Tokens covered by consecutive chunks named by `chunks` from the start, their slowest tier,
+        and whether the whole prompt `whole` (with its logits) is held too."""
+        ...
 
     def pages(self) -> list[PageId]: ...
 
-    def clear(self) -> int: ...
-
-    def stats(self) -> HostTierStats: ...
+    def discard(self, page_id: PageId) -> bool: ...
 
     def check_invariants(self) -> None: ...
 
@@ -136,11 +151,16 @@ class CacheCounters:
     #: Lookups that reused at least one token, and the tokens they reused.
     hits: int = 0
     hit_tokens: int = 0
-    #: Of those, restored from the host tier (RAM) rather than copied from a resident entry.
-    host_hits: int = 0
-    host_hit_tokens: int = 0
-    #: Restores llama.cpp refused (served as misses; the state is dropped).
+    #: Of those, restored from the store rather than copied from a resident entry; the
+    #: tokens and milliseconds they took; those that read at least one chunk from disk.
+    restores: int = 0
+    restore_tokens: int = 0
+    restore_ms: float = 0.0
+    disk_restores: int = 0
+    #: Restores that failed (a chunk gone or quarantined, a state llama.cpp refused): served as misses.
     restore_failures: int = 0
+    #: Restores skipped because their tier is measured slower than prefill.
+    restores_skipped: int = 0
     records: int = 0
     #: Records refused because every entry was held (serving went on uncached).
     record_skips: int = 0
@@ -148,8 +168,10 @@ class CacheCounters:
     budget_evictions: int = 0
     proactive_evictions: int = 0
     idle_evictions: int = 0
-    #: Evicted entries whose state was copied to the host tier.
+    #: Evicted entries whose state went to the store, and those the store's writer
+    #: was too far behind to take (dropped rather than block the engine).
     demotions: int = 0
+    store_drops: int = 0
     #: New lanes that shared the cells of a prefix another running lane was
     #: prefilling, and the tokens that saved them beyond their own hit.
     joins: int = 0
@@ -157,30 +179,35 @@ class CacheCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreStats:
+    #: Entries this process put into the store (indexed by their tokens).
+    pages: int
+    #: Of those, exported but not yet cut into chunks by the writer.
+    pending: int
+    chunk_tokens: int
+    chunks: ChunkStoreStats
+
+
+@dataclass(frozen=True, slots=True)
 class CacheStats:
     resident: ResidentCacheStats
-    #: None without a host tier.
-    host: HostTierStats | None
+    #: None without a store.
+    store: StoreStats | None
     counters: CacheCounters
 
 
 class CacheTiers:
-    """The resident books, the state tiers, the index and the logits of whole-prompt entries."""
+    """The resident books, the state store, the index and the logits of resident whole-prompt entries."""
 
     def __init__(
-        self, resident: ResidentPrefixCache, host: HostTier | None = None, index: PrefixIndex | None = None
+        self, resident: ResidentPrefixCache, store: StateTier | None = None, index: PrefixIndex | None = None
     ) -> None:
         self.resident = resident
-        self.host = host
+        self.store = store
         #: Fast mode only: the tokens of every entry in any tier.
         self.index = index
         #: First-token logits of resident whole-prompt entries.
         self.logits: dict[PageId, np.ndarray] = {}
-
-    @property
-    def state_tiers(self) -> tuple[tuple[Source, StateTier], ...]:
-        """Every tier outside the pool, fastest first, with the source a hit on it reports."""
-        return ((Source.RAM, self.host),) if self.host is not None else ()
 
     @property
     def min_tokens(self) -> int:
@@ -189,7 +216,8 @@ class CacheTiers:
     def plan(self, query: Query) -> Hit:
         """The longest cached state for the query's prompt, from the fastest tier holding it.
 
-        At equal length a resident entry wins (a `seq_cp`, not a restore).
+        At equal length a resident entry wins (a `seq_cp`, not a restore), then
+        a page of the store's (any length), then chunks found by name.
         """
         if query.refused is not None:
             return Hit.miss(query.refused)
@@ -199,39 +227,54 @@ class CacheTiers:
                     return Hit(Source.RESIDENT, prefix.page_id, prefix.token_count, Why.GRID)
             return Hit.miss(Why.NEVER_SEEN)
         if query.whole is not None:
-            hit = self._whole(query.whole)
+            hit = self._whole(query, query.whole)
             if hit is not None:
                 return hit
-        if self.index is None:
-            return Hit.miss(Why.NEVER_SEEN)
-        # Any leading part of an entry is exact state for those tokens (attention is causal).
-        match = self.index.longest(query.space, query.tokens, prefer=self.resident, min_length=self.min_tokens)
-        if match is None:
-            return Hit.miss(Why.NEVER_SEEN)
-        why = Why.ALL_BUT_LAST if match.length >= len(query.tokens) else Why.DIVERGED
-        return Hit(self.source_of(match.page_id), match.page_id, match.length, why)
+        best = Hit.miss(Why.NEVER_SEEN)
+        if self.index is not None:
+            # Any leading part of an entry is exact state for those tokens (attention is causal).
+            match = self.index.longest(query.space, query.tokens, prefer=self.resident, min_length=self.min_tokens)
+            if match is not None:
+                length, source = match.length, Source.RESIDENT
+                if match.page_id not in self.resident:
+                    assert self.store is not None, f"page {match.page_id} indexed but held nowhere"
+                    available, source = self.store.available(match.page_id)
+                    length = min(length, available)
+                if length >= self.min_tokens:
+                    best = Hit(source, match.page_id, length, _why(length, query))
+        if self.store is not None and query.chunks:
+            length, source, _ = self.store.probe(query.chunks, None)
+            if length > best.length and length >= self.min_tokens:
+                best = Hit(source, None, length, _why(length, query))
+        return best
 
-    def _whole(self, prompt: PrefixIdentity) -> Hit | None:
-        page = prompt.page_id
+    def _whole(self, query: Query, prompt: PrefixIdentity) -> Hit | None:
+        page, n = prompt.page_id, prompt.token_count
         if page in self.resident:
             logits = self.logits.get(page)
             assert logits is not None, f"resident whole-prompt entry {page} lost its logits"
-            return Hit(Source.RESIDENT, page, prompt.token_count, Why.EXACT_REPEAT, logits)
-        for source, tier in self.state_tiers:
-            entry = tier.peek(page)
-            if entry is not None:
-                assert entry.logits is not None, f"whole-prompt entry {page} in {source.value} has no logits"
-                logits = np.frombuffer(entry.logits, dtype=np.float32).copy()
-                return Hit(source, page, prompt.token_count, Why.EXACT_REPEAT, logits)
+            return Hit(Source.RESIDENT, page, n, Why.EXACT_REPEAT, logits)
+        if self.store is None:
+            return None
+        if page in self.store:
+            available, source = self.store.available(page)
+            logits = self.store.whole_logits(page)
+            if available >= n and logits is not None:
+                return Hit(source, page, n, Why.EXACT_REPEAT, logits)
+        _, source, whole = self.store.probe(query.chunks, prompt)
+        if whole:
+            return Hit(source, page, n, Why.EXACT_REPEAT)
         return None
 
     def source_of(self, page_id: PageId) -> Source:
         if page_id in self.resident:
             return Source.RESIDENT
-        for source, tier in self.state_tiers:
-            if page_id in tier:
-                return source
+        if self.store is not None and page_id in self.store:
+            return self.store.available(page_id)[1]
         return Source.NONE
+
+    def held(self, page_id: PageId) -> bool:
+        return page_id in self.resident or (self.store is not None and page_id in self.store)
 
     def file(self, page_id: PageId, space: Hashable, tokens: Sequence[int]) -> None:
         """Index an entry's tokens (fast mode), once."""
@@ -242,23 +285,27 @@ class CacheTiers:
         """A page that left a tier stays indexed only while another tier still holds it."""
         if page_id not in self.resident:
             self.logits.pop(page_id, None)
-            if self.index is not None and self.source_of(page_id) is Source.NONE:
+            if self.index is not None and not self.held(page_id):
                 self.index.remove(page_id)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the tiers contradict each other (tests and debug)."""
         self.resident.check_invariants()
-        for _, tier in self.state_tiers:
-            tier.check_invariants()
+        if self.store is not None:
+            self.store.check_invariants()
         stray = [page for page in self.logits if page not in self.resident]
         assert not stray, f"logits kept for pages that are not resident: {stray}"
         if self.index is not None:
             self.index.check_invariants()
             held = {e.page_id for e in self.resident.entries()}
-            for _, tier in self.state_tiers:
-                held.update(tier.pages())
+            if self.store is not None:
+                held.update(self.store.pages())
             indexed = {page for page in held if page in self.index}
             assert indexed == held, f"pages held but not indexed: {sorted(held - indexed)}"
             assert len(self.index) == len(held), (
                 f"{len(self.index)} pages indexed, {len(held)} held: an evicted page stayed in the index"
             )
+
+
+def _why(length: int, query: Query) -> Why:
+    return Why.ALL_BUT_LAST if length >= len(query.tokens) else Why.DIVERGED

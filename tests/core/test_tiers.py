@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from skippy_cache.config import ResidentCacheConfig
-from skippy_cache.host import HostEntry, HostTier
-from skippy_cache.identity import IdentityKey, PageId, prefix_identity
+from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identity
 from skippy_cache.radix import PrefixIndex
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.tiers import CacheTiers, Hit, Query, Source, Why
@@ -20,11 +19,58 @@ SPACE = KEY
 MIN = 8
 
 
-def tiers(*, host: bool = True, index: bool = True) -> CacheTiers:
+class FakeStore:
+    """The plan's view of a store, as plain dicts: pages with what is restorable, chunks by name."""
+
+    def __init__(self) -> None:
+        #: page -> (tokens restorable now, slowest tier, logits if a whole prompt held in full)
+        self.held: dict[PageId, tuple[int, Source, np.ndarray | None]] = {}
+        #: page ids of identities whose chunk is present, and whole prompts whose tail is
+        self.chunks: dict[PageId, Source] = {}
+        self.tails: dict[PageId, Source] = {}
+        self.chunk_tokens = 8
+
+    def __contains__(self, page_id: object) -> bool:
+        return page_id in self.held
+
+    def available(self, page_id: PageId) -> tuple[int, Source]:
+        n, source, _ = self.held.get(page_id, (0, Source.NONE, None))
+        return n, source
+
+    def whole_logits(self, page_id: PageId) -> np.ndarray | None:
+        return self.held[page_id][2] if page_id in self.held else None
+
+    def probe(self, chunks, whole):
+        run, source = 0, Source.NONE
+        for ident in chunks:
+            if ident.page_id not in self.chunks:
+                break
+            run += 1
+            source = Source.DISK if Source.DISK in (source, self.chunks[ident.page_id]) else self.chunks[ident.page_id]
+        complete = whole is not None and run == len(chunks) and whole.page_id in self.tails
+        if complete:
+            source = Source.DISK if Source.DISK in (source, self.tails[whole.page_id]) else self.tails[whole.page_id]
+        return run * self.chunk_tokens, source, complete
+
+    def pages(self) -> list[PageId]:
+        return list(self.held)
+
+    def discard(self, page_id: PageId) -> bool:
+        return self.held.pop(page_id, None) is not None
+
+    def check_invariants(self) -> None:
+        pass
+
+
+def tiers(*, store: bool = True, index: bool = True) -> CacheTiers:
     resident = ResidentPrefixCache(
         ResidentCacheConfig(max_entries=8, max_bytes=0, min_tokens=MIN, reserved_seq_count=8, max_resident_tokens=0)
     )
-    return CacheTiers(resident, HostTier(1 << 20) if host else None, PrefixIndex() if index else None)
+    return CacheTiers(resident, FakeStore() if store else None, PrefixIndex() if index else None)
+
+
+def chunk_ids(tokens: list[int], every: int = 8) -> tuple[PrefixIdentity, ...]:
+    return tuple(prefix_identity(SPACE, tokens[:n]) for n in range(every, len(tokens) + 1, every))
 
 
 def whole_id(tokens: list[int]):
@@ -41,10 +87,14 @@ def make_resident(t: CacheTiers, tokens: list[int], *, logits: np.ndarray | None
     return ident.page_id
 
 
-def make_host(t: CacheTiers, tokens: list[int], *, logits: bytes | None = b"\0" * 16) -> PageId:
+def make_stored(
+    t: CacheTiers, tokens: list[int], *, logits: np.ndarray | None = None, available: int | None = None,
+    source: Source = Source.RAM,
+) -> PageId:
+    """A page the store holds (whole prompt), `available` of its tokens restorable now."""
     ident = whole_id(tokens)
-    assert t.host is not None
-    t.host.put(ident.page_id, HostEntry(len(tokens), b"state", logits))
+    assert isinstance(t.store, FakeStore)
+    t.store.held[ident.page_id] = (len(tokens) if available is None else available, source, logits)
     t.file(ident.page_id, SPACE, tokens)
     return ident.page_id
 
@@ -74,13 +124,56 @@ def test_exact_repeat_of_a_resident_prompt_carries_its_logits() -> None:
     assert hit.logits is logits
 
 
-def test_exact_repeat_from_the_host_tier_decodes_its_stored_logits() -> None:
+def test_exact_repeat_of_a_stored_page_carries_its_logits() -> None:
     t = tiers()
     stored = np.array([0.5, -1.0, 3.0], dtype=np.float32)
-    page = make_host(t, A, logits=stored.tobytes())
+    page = make_stored(t, A, logits=stored, source=Source.DISK)
     hit = t.plan(query(A))
-    assert (hit.source, hit.page_id, hit.length, hit.why) == (Source.RAM, page, len(A), Why.EXACT_REPEAT)
+    assert (hit.source, hit.page_id, hit.length, hit.why) == (Source.DISK, page, len(A), Why.EXACT_REPEAT)
     assert hit.logits is not None and np.array_equal(hit.logits, stored)
+
+
+def test_a_stored_page_not_held_in_full_is_reused_as_far_as_it_is_held() -> None:
+    t = tiers()
+    page = make_stored(t, A, logits=np.zeros(2, np.float32), available=24)
+    hit = t.plan(query(A))
+    assert (hit.source, hit.page_id, hit.length, hit.why, hit.logits) == (Source.RAM, page, 24, Why.DIVERGED, None)
+    t.store.held[page] = (MIN - 1, Source.RAM, None)
+    assert t.plan(query(A)) == Hit.miss(Why.NEVER_SEEN)
+
+
+def test_chunks_are_found_by_name_without_any_page() -> None:
+    # After a restart: no page, no index entry, only chunks named by prefix identities.
+    t = tiers()
+    store = t.store
+    assert isinstance(store, FakeStore)
+    ids = chunk_ids(A[:-1])
+    for ident in ids[:3]:
+        store.chunks[ident.page_id] = Source.DISK
+    hit = t.plan(query(A, chunks=ids))
+    assert (hit.source, hit.page_id, hit.length, hit.why) == (Source.DISK, None, 24, Why.DIVERGED)
+    # Every chunk and the whole prompt's tail: an exact repeat, its logits read with the tail.
+    for ident in ids:
+        store.chunks[ident.page_id] = Source.RAM
+    store.tails[whole_id(A).page_id] = Source.RAM
+    hit = t.plan(query(A, chunks=ids))
+    assert (hit.source, hit.page_id, hit.length, hit.why, hit.logits) == (
+        Source.RAM, whole_id(A).page_id, len(A), Why.EXACT_REPEAT, None
+    )
+
+
+def test_a_longer_page_beats_chunks_found_by_name_and_chunks_beat_a_shorter_one() -> None:
+    t = tiers()
+    store = t.store
+    assert isinstance(store, FakeStore)
+    ids = chunk_ids(A[:-1])
+    for ident in ids[:2]:
+        store.chunks[ident.page_id] = Source.RAM
+    page = make_resident(t, A[:30] + [1] * 5)
+    assert (t.plan(query(A, chunks=ids)).page_id, t.plan(query(A, chunks=ids)).length) == (page, 30)
+    for ident in ids[:4]:
+        store.chunks[ident.page_id] = Source.RAM
+    assert (t.plan(query(A, chunks=ids)).page_id, t.plan(query(A, chunks=ids)).length) == (None, 32)
 
 
 def test_a_diverging_prompt_reuses_exactly_the_shared_prefix() -> None:
@@ -101,9 +194,9 @@ def test_a_prompt_inside_a_cached_one_reuses_all_but_its_last_token() -> None:
     assert (hit.length, hit.why) == (19, Why.ALL_BUT_LAST)
 
 
-def test_at_equal_length_a_resident_entry_beats_a_host_entry() -> None:
+def test_at_equal_length_a_resident_entry_beats_a_stored_page() -> None:
     t = tiers()
-    host_page = make_host(t, A[:25] + [1] * 10)
+    host_page = make_stored(t, A[:25] + [1] * 10)
     resident_page = make_resident(t, A[:25] + [2] * 10)
     hit = t.plan(query(A))
     assert (hit.source, hit.page_id, hit.length) == (Source.RESIDENT, resident_page, 25)
@@ -121,7 +214,7 @@ def test_less_than_min_tokens_shared_is_never_seen() -> None:
 
 
 def test_grid_mode_takes_the_longest_resident_grid_length() -> None:
-    t = tiers(host=False, index=False)
+    t = tiers(store=False, index=False)
     ids = {n: prefix_identity(SPACE, A[:n]) for n in (32, 16, 8)}
     for n in (16, 8):
         allocation = t.resident.allocate_for_record(ids[n].page_id, n, n, lambda _e: None)
@@ -136,12 +229,12 @@ def test_plan_changes_nothing() -> None:
     t = tiers()
     first = make_resident(t, A)
     second = make_resident(t, [5] * 40)
-    make_host(t, [6] * 40)
-    make_host(t, [7] * 40)
-    before = ([e.page_id for e in t.resident.entries()], t.host.pages(), t.resident.stats(), t.host.stats())
+    make_stored(t, [6] * 40)
+    make_stored(t, [7] * 40)
+    before = ([e.page_id for e in t.resident.entries()], t.store.pages(), t.resident.stats())
     for prompt in (A, [5] * 40, [6] * 40, A[:30] + [1] * 9, [9] * 40):
         t.plan(query(prompt))
-    after = ([e.page_id for e in t.resident.entries()], t.host.pages(), t.resident.stats(), t.host.stats())
+    after = ([e.page_id for e in t.resident.entries()], t.store.pages(), t.resident.stats())
     assert after == before
     assert before[0] == [first, second]
 
@@ -150,13 +243,13 @@ def test_forget_if_gone_keeps_the_index_rule() -> None:
     t = tiers()
     page = make_resident(t, A)
     t.check_invariants()
-    # Demoted: in the host tier, still indexed; then pushed out of it too: unindexed.
-    t.host.put(page, HostEntry(len(A), b"x", b"\0" * 16))
+    # Demoted: in the store, still indexed; then pushed out of it too: unindexed.
+    t.store.held[page] = (len(A), Source.RAM, None)
     t.resident.clear(lambda _e: None)
     t.forget_if_gone(page)
     assert page in t.index and page not in t.logits
     t.check_invariants()
-    t.host.discard(page)
+    t.store.discard(page)
     t.forget_if_gone(page)
     assert page not in t.index
     t.check_invariants()

@@ -1,4 +1,5 @@
-"""The README's run command as a subprocess: `python -m skippy_cache serve` answers, then SIGTERM exits 0.
+"""The README's run command as a subprocess: `python -m skippy_cache serve` answers, then SIGTERM exits 0;
+what it stored on disk survives a SIGKILL.
 
 (`make run` also sets up the venv, too slow for a test; this is the command it runs.)
 """
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -31,30 +33,57 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("SKIPPY_")}
 
 
-@pytest.mark.model
-def test_serve_answers_then_drains_on_sigterm() -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "skippy_cache", "serve", "--port", str(port), "--ctx-size", "2048"],
-        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    log: list[str] = []
-    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    try:
+class Served:
+    """`python -m skippy_cache serve ARGS` as a subprocess, its output collected."""
+
+    def __init__(self, *args: str, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "skippy_cache", "serve", "--port", str(self.port), *args],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.log: list[str] = []
+        self._reader = threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True)  # type: ignore[arg-type]
+        self._reader.start()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.log)
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + 180
         while True:
-            assert proc.poll() is None, "the server exited:\n" + "".join(log)
-            assert time.monotonic() < deadline, "the server never answered /health:\n" + "".join(log)
+            assert self.proc.poll() is None, "the server exited:\n" + self.text
+            assert time.monotonic() < deadline, "the server never answered /health:\n" + self.text
             try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
 
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+    def cache(self) -> dict:
+        return httpx.get(f"{self.url}/v1/cache", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self._reader.join(10)
+
+
+@pytest.mark.model
+def test_serve_answers_then_drains_on_sigterm(tmp_path: Path) -> None:
+    # The default disk tier lives under $XDG_CACHE_HOME: point it at a directory of the test's own.
+    server = Served("--ctx-size", "2048", env={**clean_env(), "XDG_CACHE_HOME": str(tmp_path)})
+    proc = server.proc
+    try:
+        server.wait_ready()
+        client = server.client()
         out = client.chat.completions.create(
             model="skippy-cache", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4, temperature=0
         )
@@ -70,18 +99,64 @@ def test_serve_answers_then_drains_on_sigterm() -> None:
         proc.send_signal(signal.SIGTERM)
         rest = list(stream)
         assert [c.choices[0].finish_reason for c in [first, *rest] if c.choices][-1] in ("stop", "length")
-        assert proc.wait(timeout=120) == 0, "".join(log)
+        assert proc.wait(timeout=120) == 0, server.text
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-    reader.join(10)
-    text = "".join(log)
-    # The one start-up block: model, pool, derived cache budgets.
+        server.stop()
+    text = server.text
+    # The one start-up block: model, pool, derived cache budgets, the store's tiers.
     for needle in ("skippy-cache server", "model ", "digest ", "n_ctx 2048", "lanes", "n_seq_max",
                    "mode lookup-record", "max entries 64", "token cap none", "reserved sequences 0..7",
-                   "min_tokens 64", "stride 128", "record limit 2"):
+                   "min_tokens 64", "stride 128", "record limit 2", "store     chunks of 256 tokens",
+                   f"disk {tmp_path / 'skippy-cache'}"):
         assert needle in text, f"{needle!r} missing from the start-up log:\n{text}"
+
+
+PROMPT = "Restart test. " + " ".join(f"Clause {i} of the agreement binds the parties." for i in range(60))
+
+
+@pytest.mark.model
+def test_reused_prefixes_survive_sigkill_and_a_second_server_on_the_dir_is_refused(tmp_path: Path) -> None:
+    args = ("--ctx-size", "2048", "--cache-dir", str(tmp_path))
+    first = Served(*args, env=clean_env())
+    try:
+        first.wait_ready()
+        client = first.client()
+        cold = client.completions.create(model="skippy-cache", prompt=PROMPT, max_tokens=1, temperature=0)
+        n = cold.usage.prompt_tokens
+        assert n > 512, n
+        warm = client.completions.create(model="skippy-cache", prompt=PROMPT, max_tokens=1, temperature=0)
+        assert warm.usage.prompt_tokens_details.cached_tokens == n
+        # Reused once: the idle server exports it, and the store's writer puts its chunks on disk.
+        deadline = time.monotonic() + 60
+        while not ((store := first.cache()["store"])["pages"] >= 1 and store["pending"] == 0
+                   and store["chunks"]["disk"]["chunks"] >= 3):
+            assert time.monotonic() < deadline, f"never written to disk: {store}"
+            time.sleep(0.1)
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait(30)
+    finally:
+        first.stop()
+
+    second = Served(*args, env=clean_env())
+    try:
+        second.wait_ready()
+        assert "found" in second.text and "chunks" in second.text
+        again = second.client().completions.create(model="skippy-cache", prompt=PROMPT, max_tokens=1,
+                                                    temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == n
+        assert again.choices[0].text == cold.choices[0].text  # sampled from the stored logits
+        counters = second.cache()["counters"]
+        assert (counters["restores"], counters["disk_restores"]) == (1, 1)
+
+        # A third server on the same directory refuses to start, and says why.
+        out = subprocess.run(
+            [sys.executable, "-m", "skippy_cache", "serve", "--port", str(free_port()), *args],
+            env=clean_env(), capture_output=True, text=True, timeout=120,
+        )
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert str(tmp_path) in out.stderr and "--cache-dir" in out.stderr
+    finally:
+        second.stop()
 
 
 def test_malformed_setting_exits_2_naming_it() -> None:

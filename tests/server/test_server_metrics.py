@@ -1,11 +1,12 @@
 """/metrics parses with prometheus_client's parser and moves as requests are served; /health, /v1/cache.
 
-The host tier (exact KV states demoted from the pool to RAM) is followed on a
-server of its own, small enough that one idle entry is demoted on cue.
+The state store (exact KV states that left the pool, as chunks) is followed
+on a server of its own, small enough that one idle entry is demoted on cue.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -30,20 +31,27 @@ ENGINE_GAUGES = [
     "skippy_cache_resident_tokens",
     "skippy_prompt_cache_hit_ratio",
     "skippy_kv_cells_total",
-    "skippy_cache_host_entries",
-    "skippy_cache_host_bytes",
-    "skippy_cache_host_max_bytes",
+    "skippy_store_pages",
+    "skippy_store_pending",
+    "skippy_store_dedup_ratio",
 ]
 
-HOST_COUNTERS = [
-    "skippy_cache_host_hits_total",
+STORE_COUNTERS = [
+    "skippy_cache_restores_total",
+    "skippy_cache_disk_restores_total",
     "skippy_cache_demotions_total",
     "skippy_cache_idle_evictions_total",
     "skippy_cache_restore_failures_total",
+    "skippy_store_misses_total",
+    "skippy_store_quarantined_total",
 ]
 
+#: Per-tier store metrics, labelled tier="ram" and tier="disk".
+STORE_TIER_METRICS = ["skippy_store_chunks", "skippy_store_bytes", "skippy_store_max_bytes",
+                      "skippy_store_hits_total"]
+
 MIB = 1024 * 1024
-#: The host-tier server: a 16 MiB tier, and entries demoted after 32 idle tokens.
+#: The store server: a 16 MiB RAM tier, and entries demoted after 32 idle tokens.
 HOST_MIB = 16
 IDLE_TOKENS = 32
 
@@ -57,10 +65,14 @@ def test_metrics_parse_and_move(server: LiveServer) -> None:
     for name in ENGINE_GAUGES:
         assert (name, ()) in before, f"{name} missing from /metrics"
     assert value(before, "skippy_cache_evictions_total") >= 0
-    for name in HOST_COUNTERS:
+    for name in STORE_COUNTERS:
         assert (name, ()) in before, f"{name} missing from /metrics"
-    # The session server runs with the default host tier.
-    assert value(before, "skippy_cache_host_max_bytes") == 2048 * MIB
+    for name in STORE_TIER_METRICS:
+        for tier in ("ram", "disk"):
+            assert (name, (("tier", tier),)) in before, f"{name}{{tier={tier}}} missing from /metrics"
+    # The session server runs with the default RAM tier and no disk tier.
+    assert value(before, "skippy_store_max_bytes", tier="ram") == server.engine.info.host_cache_bytes > 0
+    assert value(before, "skippy_store_max_bytes", tier="disk") == 0
 
     prompt = "Metrics test: " + " ".join(f"line {i} of the shared preamble." for i in range(16))
     client = server.openai()
@@ -109,31 +121,33 @@ def test_cache_endpoint_reports_budgets_and_stats(server: LiveServer) -> None:
     assert budgets["reserved_seq_count"] == 2 * server.settings.lanes
     assert budgets["max_resident_tokens"] == 0  # no token cap below an 8192-cell context
     assert budgets["min_tokens"] == 64 and budgets["stride_tokens"] == 128 and budgets["record_limit"] == 2
-    assert budgets["host_cache_bytes"] == 2048 * MIB and budgets["idle_tokens"] == 256
+    assert budgets["host_cache_bytes"] == server.engine.info.host_cache_bytes > 0
+    assert budgets["idle_tokens"] == 256 and budgets["chunk_tokens"] == 256 and budgets["cache_dir"] is None
     assert report["pool"]["n_ctx"] == server.engine.info.n_ctx
     for key in ("entries", "resident_tokens", "records", "evictions"):
         assert key in report["resident"]
     # One counter set: each request's lookup counted once, hits by tier.
     counters = report["counters"]
-    for key in ("lookups", "hits", "hit_tokens", "host_hits", "host_hit_tokens", "idle_evictions", "demotions",
-                "restore_failures"):
+    for key in ("lookups", "hits", "hit_tokens", "restores", "restore_tokens", "disk_restores", "idle_evictions",
+                "demotions", "restore_failures", "joins", "join_tokens"):
         assert counters[key] >= 0
-    assert counters["hits"] <= counters["lookups"] and counters["host_hits"] <= counters["hits"]
-    host = report["host"]
-    assert set(host) == {"entries", "bytes", "max_bytes", "puts", "evictions", "rejected"}
-    assert host["max_bytes"] == 2048 * MIB
-    assert 0 <= host["bytes"] <= host["max_bytes"]
+    assert counters["hits"] <= counters["lookups"] and counters["restores"] <= counters["hits"]
+    store = report["store"]
+    assert set(store) == {"pages", "pending", "chunk_tokens", "chunks"}
+    chunks = store["chunks"]
+    assert chunks["ram_max_bytes"] == server.engine.info.host_cache_bytes and chunks["disk"] is None
+    assert 0 <= chunks["ram_bytes"] <= chunks["ram_max_bytes"]
 
 
 @pytest.fixture(scope="module")
-def host_server() -> Iterator[LiveServer]:
+def store_server() -> Iterator[LiveServer]:
     # A prompt answered with one token records one entry: the whole prompt, with its first-token logits.
     settings = ServerSettings(ctx_size=1024, lanes=1, queue_size=4, host_cache_mib=HOST_MIB, idle_tokens=IDLE_TOKENS)
     yield from run_own_server(settings)
 
 
-def test_host_tier_demotion_and_restore_in_metrics_and_report(host_server: LiveServer) -> None:
-    server = host_server
+def test_store_demotion_and_restore_in_metrics_and_report(store_server: LiveServer) -> None:
+    server = store_server
     client = server.openai()
 
     def complete(prompt: str, max_tokens: int) -> Completion:
@@ -141,25 +155,31 @@ def test_host_tier_demotion_and_restore_in_metrics_and_report(host_server: LiveS
                                           temperature=0)
 
     def report() -> dict:
-        with server.http() as http:
-            return http.get("/v1/cache").json()
+        # The store's writer cuts exports in the background: read the books once it is done.
+        deadline = time.monotonic() + 30
+        while True:
+            with server.http() as http:
+                body = http.get("/v1/cache").json()
+            if body["store"]["pending"] == 0 or time.monotonic() > deadline:
+                return body
+            time.sleep(0.05)
 
     start = report()
     assert start["budgets"]["host_cache_bytes"] == HOST_MIB * MIB
     assert start["budgets"]["idle_tokens"] == IDLE_TOKENS
-    assert start["host"]["max_bytes"] == HOST_MIB * MIB
-    assert (start["host"]["entries"], start["host"]["bytes"], start["host"]["puts"]) == (0, 0, 0)
-    assert value(server.metrics(), "skippy_cache_host_max_bytes") == HOST_MIB * MIB
+    assert start["store"]["chunks"]["ram_max_bytes"] == HOST_MIB * MIB
+    assert (start["store"]["pages"], start["store"]["chunks"]["ram_chunks"]) == (0, 0)
+    assert value(server.metrics(), "skippy_store_max_bytes", tier="ram") == HOST_MIB * MIB
 
     # A prompt over min_tokens (64): recorded as one whole-prompt entry.
-    prompt = "Host tier test: " + " ".join(f"item {i} of the list." for i in range(14))
+    prompt = "Store test: " + " ".join(f"item {i} of the list." for i in range(14))
     first = complete(prompt, 1)  # one token: the prompt is the lane's whole sequence, one entry
     n_prompt = first.usage.prompt_tokens
-    assert n_prompt > 64, n_prompt
+    assert 64 < n_prompt < 256, n_prompt  # shorter than a chunk: the whole entry is its tail
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     recorded = report()
     assert (recorded["resident"]["entries"], recorded["resident"]["resident_tokens"]) == (1, n_prompt)
-    assert recorded["host"]["entries"] == 0 and recorded["counters"]["demotions"] == 0
+    assert recorded["store"]["pages"] == 0 and recorded["counters"]["demotions"] == 0
 
     # A prompt too short to record (< 64 tokens) but longer than idle_tokens:
     # its prefill alone leaves the entry idle long enough to be demoted.
@@ -167,51 +187,55 @@ def test_host_tier_demotion_and_restore_in_metrics_and_report(host_server: LiveS
     assert IDLE_TOKENS < filler.usage.prompt_tokens < 64, filler.usage.prompt_tokens
     demoted = report()
     assert demoted["resident"]["entries"] == 0 and demoted["resident"]["resident_tokens"] == 0
-    host = demoted["host"]
-    assert (host["entries"], host["puts"], host["evictions"], host["rejected"]) == (1, 1, 0, 0)
-    # The exact state holds at least the K/V rows and logits the resident entry was estimated at.
-    assert recorded["resident"]["estimated_bytes"] <= host["bytes"] <= HOST_MIB * MIB
+    store = demoted["store"]
+    assert (store["pages"], store["pending"], store["chunks"]["ram_chunks"]) == (1, 0, 1)
+    # The chunk holds at least the K/V rows and logits the resident entry was estimated at.
+    assert recorded["resident"]["estimated_bytes"] <= store["chunks"]["ram_bytes"] <= HOST_MIB * MIB
     counters = demoted["counters"]
-    assert (counters["idle_evictions"], counters["demotions"], counters["host_hits"],
+    assert (counters["idle_evictions"], counters["demotions"], counters["restores"],
             counters["restore_failures"]) == (1, 1, 0, 0)
     samples = server.metrics()
-    assert value(samples, "skippy_cache_host_entries") == 1
-    assert value(samples, "skippy_cache_host_bytes") == host["bytes"]
+    assert value(samples, "skippy_store_pages") == 1
+    assert value(samples, "skippy_store_chunks", tier="ram") == 1
+    assert value(samples, "skippy_store_bytes", tier="ram") == store["chunks"]["ram_bytes"]
     assert value(samples, "skippy_cache_demotions_total") == 1
     assert value(samples, "skippy_cache_idle_evictions_total") == 1
-    assert value(samples, "skippy_cache_host_hits_total") == 0
+    assert value(samples, "skippy_cache_restores_total") == 0
     assert value(samples, "skippy_cache_resident_entries") == 0
 
-    # The same prompt again: its whole-prompt state restored from the host tier, every token cached.
+    # The same prompt again: its whole-prompt state restored from the store, every token cached.
     again = complete(prompt, 1)
     assert again.usage.prompt_tokens == n_prompt
     assert again.usage.prompt_tokens_details.cached_tokens == n_prompt
     restored = report()
     counters = restored["counters"]
-    assert (counters["host_hits"], counters["host_hit_tokens"], counters["restore_failures"]) == (1, n_prompt, 0)
-    assert counters["hits"] == 1 and counters["hit_tokens"] == n_prompt
-    # Still in the host tier, and resident again (re-recorded from the restored lane).
-    assert restored["host"]["entries"] == 1 and restored["resident"]["entries"] == 1
+    assert (counters["restores"], counters["restore_tokens"], counters["restore_failures"]) == (1, n_prompt, 0)
+    assert counters["hits"] == 1 and counters["hit_tokens"] == n_prompt and counters["restore_ms"] > 0
+    # Still in the store, and resident again (re-recorded from the restored lane).
+    assert restored["store"]["pages"] == 1 and restored["resident"]["entries"] == 1
     samples = server.metrics()
-    assert value(samples, "skippy_cache_host_hits_total") == 1
+    assert value(samples, "skippy_cache_restores_total") == 1
+    assert value(samples, "skippy_store_hits_total", tier="ram") == 1
     assert value(samples, "skippy_cache_hits_total") == 1
     assert value(samples, "skippy_cache_restore_failures_total") == 0
     assert value(samples, "skippy_cache_demotions_total") == 1
 
 
-def test_no_host_tier_reports_none_and_zeros() -> None:
-    """host_cache_mib = 0 reaches the engine: no tier, `host: null`, zero host gauges."""
+def test_no_store_reports_none_and_zeros() -> None:
+    """host_cache_mib = 0 and no cache_dir reach the engine: no store, `store: null`, zero store metrics."""
     settings = ServerSettings(ctx_size=256, lanes=1, host_cache_mib=0, idle_tokens=0)
     engine = Engine(settings.engine_config())
     try:
         report = cache_report(engine)
-        assert report["host"] is None
+        assert report["store"] is None
         assert (report["budgets"]["host_cache_bytes"], report["budgets"]["idle_tokens"]) == (0, 0)
-        assert report["counters"]["demotions"] == 0 and report["counters"]["host_hits"] == 0
-        collected = {m.name: m.samples[0].value for m in EngineCollector(engine).collect()}
-        for name in ("skippy_cache_host_entries", "skippy_cache_host_bytes", "skippy_cache_host_max_bytes",
-                     "skippy_cache_host_hits", "skippy_cache_demotions", "skippy_cache_idle_evictions",
-                     "skippy_cache_restore_failures"):
-            assert collected[name] == 0, name
+        assert report["counters"]["demotions"] == 0 and report["counters"]["restores"] == 0
+        collected = {(sample.name, tuple(sample.labels.items())): sample.value
+                     for m in EngineCollector(engine).collect() for sample in m.samples}
+        for name in ("skippy_store_pages", "skippy_cache_restores", "skippy_cache_demotions",
+                     "skippy_cache_idle_evictions", "skippy_cache_restore_failures", "skippy_store_misses"):
+            assert collected[(name if name.startswith("skippy_store_p") else name + "_total", ())] == 0, name
+        for tier in ("ram", "disk"):
+            assert collected[("skippy_store_max_bytes", (("tier", tier),))] == 0
     finally:
         engine.close(drain=False)

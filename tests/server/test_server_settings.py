@@ -9,7 +9,7 @@ import pytest
 from skippy_cache.__main__ import build_parser
 from skippy_cache.config import StageKvCacheMode
 from skippy_cache.runtime import EngineConfig
-from skippy_cache.server.settings import OPTIONS, ServerSettings, SettingsError, load_settings
+from skippy_cache.server.settings import OPTIONS, ServerSettings, SettingsError, default_cache_dir, load_settings
 
 MIB = 1024 * 1024
 
@@ -27,14 +27,33 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults() -> None:
     s = settings([])
-    assert s == ServerSettings()
+    # A server keeps its store on disk, in the user's cache directory, unless told otherwise.
+    assert s.cache_dir == Path.home() / ".cache" / "skippy-cache"
+    assert s == ServerSettings(cache_dir=s.cache_dir)
     assert (s.host, s.port, s.ctx_size, s.lanes) == ("127.0.0.1", 8000, 8192, 4)
     assert (s.queue_size, s.api_key) == (64, None)
     assert s.cache.mode is StageKvCacheMode.AUTO and s.cache.min_tokens == 64
-    assert (s.host_cache_mib, s.idle_tokens) == (2048, 256)
+    assert (s.host_cache_mib, s.idle_tokens, s.disk_cache_mib, s.chunk_tokens) == (None, 256, 10240, 256)
     engine = s.engine_config()
-    assert (engine.host_cache_bytes, engine.idle_tokens) == (2048 * MIB, 256)
-    assert engine.host_cache_bytes == EngineConfig().host_cache_bytes  # the server's default is the engine's
+    # RAM tier: None lets the engine size it from the machine, as it does by default.
+    assert (engine.host_cache_bytes, engine.idle_tokens) == (None, 256)
+    assert engine.host_cache_bytes == EngineConfig().host_cache_bytes
+    assert (engine.cache_dir, engine.disk_cache_bytes, engine.chunk_tokens) == (s.cache_dir, 10240 * MIB, 256)
+
+
+def test_store_options(tmp_path: Path) -> None:
+    s = settings(["--cache-dir", str(tmp_path), "--disk-cache-mib", "100", "--chunk-tokens", "512"])
+    assert (s.cache_dir, s.disk_cache_mib, s.chunk_tokens) == (tmp_path, 100, 512)
+    assert s.engine_config().disk_cache_bytes == 100 * MIB
+    assert settings(["--cache-dir", "none"]).cache_dir is None
+    assert settings([], {"SKIPPY_CACHE_DIR": "off"}).engine_config().cache_dir is None
+    assert settings([], {"XDG_CACHE_HOME": str(tmp_path)}).cache_dir == tmp_path / "skippy-cache"
+    assert default_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/skippy-cache")
+    path = write(tmp_path, f"cache_dir = '{tmp_path}/d'\nchunk_tokens = 128\n")
+    s = settings(["--config", str(path)])
+    assert (s.cache_dir, s.chunk_tokens) == (tmp_path / "d", 128)
+    with pytest.raises(SettingsError, match=r"--chunk-tokens=100 must be a multiple of 64"):
+        settings(["--chunk-tokens", "100"])
 
 
 def test_cli_options_map_to_settings() -> None:

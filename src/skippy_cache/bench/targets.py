@@ -8,10 +8,12 @@ it fails fast, so the report shows it as failures instead of the run stopping.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -93,7 +95,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(kind: str, port: int, model: Path, ctx_size: int, llama_server: Path | None = None) -> list[str]:
+def server_command(
+    kind: str, port: int, model: Path, ctx_size: int, llama_server: Path | None = None, store_dir: Path | None = None
+) -> list[str]:
+    """How the bench starts a server; skippy-cache keeps its disk tier in `store_dir` (None: no disk tier)."""
     if kind in ("skippy-cache", "skippy-cache-off"):
         cmd = [
             sys.executable,
@@ -110,6 +115,8 @@ def server_command(kind: str, port: int, model: Path, ctx_size: int, llama_serve
             str(model),
             "--log-level",
             "warning",
+            "--cache-dir",
+            str(store_dir) if store_dir is not None and kind == "skippy-cache" else "none",
         ]
         return cmd + (["--cache-mode", "off"] if kind == "skippy-cache-off" else [])
     threads = str(available_cores())
@@ -210,8 +217,10 @@ def running_targets(
                 targets.append(Target(spec.label, spec.kind, spec.url))
                 continue
             port = free_port()
-            command = server_command(spec.kind, port, model, ctx_size, llama_server)
             log_dir.mkdir(parents=True, exist_ok=True)
+            # A fresh disk tier per run: a store kept from an earlier run has seen this run's prompts.
+            store_dir = Path(tempfile.mkdtemp(prefix="store-", dir=log_dir)) if spec.kind == "skippy-cache" else None
+            command = server_command(spec.kind, port, model, ctx_size, llama_server, store_dir)
             log_path = log_dir / f"{spec.kind}.log"
             with log_path.open("wb") as log:
                 proc = subprocess.Popen(
@@ -229,3 +238,5 @@ def running_targets(
     finally:
         for target in targets:
             _stop(target)
+        for store_dir in log_dir.glob("store-*"):
+            shutil.rmtree(store_dir, ignore_errors=True)

@@ -1,5 +1,6 @@
 """The llama.cpp runtime: the engine, its lanes and the native calls the core's decisions need."""
 
+from skippy_cache.diskchunks import CacheDirBusy
 from skippy_cache.runtime.engine import Engine
 from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, available_cores
 from skippy_cache.runtime.gguf_info import GgufInfo, ModelNotFoundError, default_model_path, read_gguf_info
@@ -19,6 +20,7 @@ from skippy_cache.runtime.requests import (
 )
 
 __all__ = [
+    "CacheDirBusy",
     "Completion",
     "DoneEvent",
     "Engine",

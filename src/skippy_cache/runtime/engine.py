@@ -33,7 +33,6 @@ from typing import TypeVar
 
 from skippy_cache.config import PrefixCandidatePolicy, ResidentCacheConfig, StageConfig
 from skippy_cache.family import resolve_mode
-from skippy_cache.host import HostTier
 from skippy_cache.identity import IdentityKey
 from skippy_cache.radix import PrefixIndex
 from skippy_cache.resident import ResidentPrefixCache
@@ -45,6 +44,7 @@ from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel, Sampler, runtime_abi
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.runtime.prefixcache import PrefixCache
+from skippy_cache.runtime.statestore import open_store
 from skippy_cache.runtime.requests import (
     Completion,
     DoneEvent,
@@ -102,16 +102,17 @@ class Engine:
             ),
         )
         self.pool = CellPool(self.ctx)
-        host_bytes = 0 if det else config.host_cache_bytes
-        tiers = CacheTiers(
-            ResidentPrefixCache(budgets),
-            HostTier(host_bytes) if host_bytes > 0 else None,
-            None if det else PrefixIndex(),
-        )
+        # The warm-up's one-token state also names the KV layout every stored chunk is cut in.
+        warm_state = self.pool.warm_up(max(self.model.bos, 0))
+        store, store_note = (None, None) if det else open_store(config, warm_state)
+        if store_note:
+            log.warning("%s", store_note)
+        tiers = CacheTiers(ResidentPrefixCache(budgets), store, None if det else PrefixIndex())
         identity_key = IdentityKey.from_stage(stage, model_digest=gguf.digest, runtime_abi=runtime_abi())
         self.cache = PrefixCache(
             self.pool,
             tiers,
+            store,
             identity_key,
             policy,
             mode,
@@ -138,13 +139,16 @@ class Engine:
             mode_note=mode_note,
             budgets=budgets,
             policy=policy,
-            host_cache_bytes=host_bytes,
+            host_cache_bytes=store.chunks.ram_max_bytes if store is not None else 0,
+            cache_dir=config.cache_dir if store is not None and store.chunks.disk is not None else None,
+            disk_cache_bytes=config.disk_cache_bytes,
+            chunk_tokens=config.chunk_tokens,
+            store_note=store_note,
             idle_tokens=config.idle_tokens,
             max_queue=config.max_queue,
             bos_text=self.model.special_text(self.model.bos),
             eos_text=self.model.special_text(self.model.eos),
         )
-        self.pool.warm_up(max(self.model.bos, 0))
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self._cv = threading.Condition()
         self._closing = False
@@ -237,8 +241,16 @@ class Engine:
         return self.call(self.cache.evict_all)
 
     def stats(self) -> EngineStats:
-        """A snapshot from the end of the last step (safe from any thread)."""
-        return self._snapshot
+        """A snapshot from the end of the last step (safe from any thread).
+
+        The store's figures are read now: its writer works while the engine
+        sleeps, and an idle engine publishes no new snapshot.
+        """
+        snapshot = self._snapshot
+        store = self.cache.store
+        if store is None:
+            return snapshot
+        return replace(snapshot, cache=replace(snapshot.cache, store=store.stats()))
 
     def _publish(self) -> None:
         """Engine thread only: the books are not safe to read while a step runs."""
@@ -272,6 +284,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
         if self._thread is None or not self._thread.is_alive():
+            if self.cache.store is not None:
+                self.cache.store.close()
             self.ctx.close()
             self.model.close()
 
@@ -280,11 +294,17 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while self.scheduler.idle and not self._calls and not self._closing:
+                while self.scheduler.idle and not self._calls and not self._closing and not self.cache.idle_work_left:
                     self._cv.wait()
                 if self._closing and self.scheduler.idle and not self._calls:
                     return
+                idle = self.scheduler.idle
             self._run_calls()
+            if idle:
+                # No request runs: time for work that must never hold up a decode.
+                self.cache.idle_work()
+                self._publish()
+                continue
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - the loop must survive a bug in one step
@@ -325,6 +345,7 @@ class Engine:
             return True
         self.placement.before_decode(planned, self.cache.evict_one)
         runs = [(p.lane.seq_id, p.p0, p.p1) for p in planned]
+        t0 = time.perf_counter()
         status = self.pool.decode(self._batch, runs)
         if status == 1 and self.cache.drop_resident():
             # No slot despite the mirror's count (fragmentation or padding):
@@ -334,7 +355,8 @@ class Engine:
             self._decode_failures += 1
             self._fail_lanes([p.lane for p in planned], f"llama_decode failed with status {status}")
             return True
-        self.cache.decoded(n_tokens)
+        prefill_tokens = sum(p.p1 - p.p0 for p in planned if p.row < 0)
+        self.cache.decoded(n_tokens, prefill_tokens, (time.perf_counter() - t0) * 1000)
         for item in planned:
             self._after_decode(item)
         self.cache.shed_idle()

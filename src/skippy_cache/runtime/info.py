@@ -17,6 +17,15 @@ from skippy_cache.runtime.steering import PlacementStats
 from skippy_cache.tiers import CacheStats
 
 
+def default_host_cache_bytes() -> int:
+    """The smaller of 8 GiB and a quarter of the machine's RAM."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        ram = 8 << 30
+    return min(8 << 30, ram // 4)
+
+
 def available_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -47,10 +56,21 @@ class EngineConfig:
     #: under concurrency.
     deterministic: bool = False
     max_queue: int = 64
-    #: Host RAM for exact states demoted from the pool (0: none; evicted
-    #: entries are then lost). Not used in deterministic mode, where a restored
-    #: state would land on cells off the alignment grid.
-    host_cache_bytes: int = 2 << 30
+    #: The state store's RAM tier: host RAM for exact states that left the
+    #: pool, as chunks (None: the smaller of 8 GiB and a quarter of the
+    #: machine's RAM; 0: none). No store in deterministic mode, where a
+    #: restored state would land on cells off the alignment grid.
+    host_cache_bytes: int | None = None
+    #: The store's disk tier: a directory this process alone uses (None: no disk tier).
+    cache_dir: Path | None = None
+    disk_cache_bytes: int = 10 << 30
+    #: The disk tier never lets the filesystem's free space drop below this.
+    disk_reserve_bytes: int = 1 << 30
+    #: Tokens per stored chunk: a multiple of the record grid (64).
+    chunk_tokens: int = 256
+    #: Exports waiting for the store's writer, at most (past it an entry that
+    #: leaves the pool is dropped rather than make the engine wait).
+    max_pending_bytes: int = 512 << 20
     #: With a host tier: an entry unused while the pool decodes this many
     #: tokens is demoted. A resident cell costs every decoded token attention
     #: time, and a restore costs a copy per cell; past this many tokens an idle
@@ -79,8 +99,13 @@ class EngineInfo:
     mode_note: str | None
     budgets: ResidentCacheConfig
     policy: PrefixCandidatePolicy
-    #: 0: no host tier.
+    #: The store's tiers: RAM bytes (0: no store), the disk directory (None: none) and its bytes.
     host_cache_bytes: int
+    cache_dir: Path | None
+    disk_cache_bytes: int
+    chunk_tokens: int
+    #: Why there is no store although one was configured (e.g. a state format we cannot cut).
+    store_note: str | None
     idle_tokens: int
     max_queue: int
     #: The model's BOS and EOS tokens as text (chat templates use them).

@@ -54,6 +54,8 @@ class Lane:
     space: Hashable | None = None
     prompt_identity: PrefixIdentity | None = None
     identities: dict[int, PrefixIdentity] = field(default_factory=dict)
+    #: Fast mode with a store: the identities at every multiple of its chunk size (the store's names).
+    chunk_ids: tuple[PrefixIdentity, ...] = ()
     #: Recorded with its first-token logits right after the last prompt token's decode.
     whole_prompt: PrefixIdentity | None = None
     #: Deterministic mode: grid lengths to record when prefill reaches them.

@@ -33,14 +33,17 @@ class CellPool:
     def free_cells(self) -> int:
         return self.cells.free_cells
 
-    def warm_up(self, token: int) -> None:
+    def warm_up(self, token: int) -> bytearray:
         """One throwaway decode: a fresh context's first `llama_decode` allocates its
-        compute buffers, which would otherwise land on the first request's TTFT."""
+        compute buffers, which would otherwise land on the first request's TTFT.
+        Returns that one-token sequence's state: its layout is every state's layout."""
         batch = Batch(1)
         batch.add(0, [token], 0, True)
         if self.decode(batch, [(0, 0, 1)]) != 0:
             raise RuntimeError("llama_decode failed on a one-token warm-up: the context is unusable")
+        state = self.export(0)
         self.free(0)
+        return state
 
     def decode(self, batch: Batch, runs: Sequence[Run]) -> int:
         """`llama_decode` of a batch holding `runs` in batch order; 0 on success (1: no slot, <0: error)."""

@@ -17,22 +17,27 @@ prefilling it again. Deterministic mode records the seed's grid lengths when
 prefill reaches them (`prefill_done`).
 
 Entries leave the pool when a record's budget, a decode or idleness needs their
-cells; with a host tier their exact state is copied out first (demotion).
+cells; with a store their exact state is exported first (demotion) and kept as
+chunks in RAM and on disk (statestore.py). An entry reused while resident is
+exported too, when the engine is idle, so it outlives the process.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Hashable
 from dataclasses import replace
 
 import numpy as np
 
 from skippy_cache.config import PrefixCandidatePolicy, StageKvCacheMode
-from skippy_cache.host import HostEntry
-from skippy_cache.identity import IdentityKey, PrefixIdentity, prefix_identities, prefix_identity
+from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities, prefix_identity
 from skippy_cache.resident import ResidentCacheError, ResidentEviction
+from skippy_cache.runtime.costs import RestoreCosts
 from skippy_cache.runtime.lane import Lane
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.runtime.requests import GenerationRequest
+from skippy_cache.runtime.statestore import StateStore
 from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why
 
 
@@ -41,6 +46,7 @@ class PrefixCache:
         self,
         pool: CellPool,
         tiers: CacheTiers,
+        store: StateStore | None,
         identity_key: IdentityKey,
         policy: PrefixCandidatePolicy,
         mode: StageKvCacheMode,
@@ -50,11 +56,13 @@ class PrefixCache:
     ) -> None:
         self.pool = pool
         self.tiers = tiers
+        #: The same object as `tiers.store`, with the runtime's side of it (export, restore).
+        self.store = store
         self.identity_key = identity_key
         self.policy = policy
         self.mode = mode
         self.bytes_per_token = bytes_per_token
-        #: With a host tier: entries unused while the pool decodes this many tokens are demoted (0: never).
+        #: With a store: entries unused while the pool decodes this many tokens are demoted (0: never).
         self.idle_tokens = idle_tokens
         #: Grid lengths (deterministic mode) rather than whole prompts and the radix index.
         self.on_grid = tiers.index is None
@@ -64,6 +72,13 @@ class PrefixCache:
         # deterministic mode), which has no logits to sample from.
         self._whole_prompt_key = replace(identity_key, extra=(("entry", "whole-prompt"),))
         self.counters = CacheCounters()
+        self.costs = RestoreCosts()
+        #: Resident pages' space and tokens: what their chunks are named by when they leave.
+        self._entries: dict[PageId, tuple[Hashable, list[int]]] = {}
+        #: Resident pages reused since they were recorded, waiting for an idle engine to export them.
+        self._to_persist: dict[PageId, None] = {}
+        #: Resident pages reused at least once: their chunks belong on disk when they leave.
+        self._reused: set[PageId] = set()
 
     # -- a new lane: plan -> apply -> settle ---------------------------------------
 
@@ -82,6 +97,8 @@ class PrefixCache:
         elif len(request.tokens) >= max(self.tiers.min_tokens, 1):
             whole_key = self._whole_prompt_key.with_namespace(request.namespace)
             lane.prompt_identity = prefix_identity(whole_key, request.tokens)
+            if self.store is not None:
+                lane.chunk_ids = self.store.chunk_identities(lane.space, request.tokens[: lane.prefill_end])
 
     def looks_up(self, lane: Lane) -> bool:
         """The lane may share cells computed for another request: a fast-mode lookup the request allows.
@@ -101,28 +118,39 @@ class PrefixCache:
             grid = tuple(lane.identities[n] for n in lookups if n in lane.identities)
             return self.tiers.plan(Query(lane.space, prefix, grid=grid, refused=refused))
         whole = lane.prompt_identity if refused is None else None
-        return self.tiers.plan(Query(lane.space, prefix, whole=whole, refused=refused))
+        return self.tiers.plan(Query(lane.space, prefix, whole=whole, chunks=lane.chunk_ids, refused=refused))
 
     def apply(self, hit: Hit, lane: Lane) -> Hit:
         """Put the hit on the lane's (empty) sequence; returns what is on it.
 
-        A restore llama.cpp refuses is dropped from its tier and the lookup is
-        planned again without it, so the lane gets the next best hit or a miss.
+        A restore that fails (a chunk gone or quarantined, a state llama.cpp
+        refuses) is dropped from the store and the lookup is planned again
+        without it, so the lane gets the next best hit or a miss.
         """
-        while hit.source is Source.RAM:
-            restored = self._restore(hit, lane.seq_id)
+        while hit.source in (Source.RAM, Source.DISK):
+            if not self.costs.restore_wins(hit.source):
+                self.counters.restores_skipped += 1
+                hit = Hit.miss(Why.RESTORE_SLOWER)
+                break
+            restored = self._restore(hit, lane)
             if restored is None:
                 hit = Hit.miss(Why.NO_ROOM)
-            elif not restored:
+            elif restored is False:
                 self.counters.restore_failures += 1
                 hit = self.plan(lane)
             else:
+                hit = restored
                 break
         if hit.source is Source.RESIDENT:
             assert hit.page_id is not None
             entry = self.tiers.resident.touch(hit.page_id)
             assert entry is not None, f"planned resident page {hit.page_id} is gone"
             self.pool.copy(entry.seq_id, lane.seq_id, hit.length)
+            self._reused.add(hit.page_id)
+            if self.store is not None and hit.page_id not in self.store:
+                self._to_persist[hit.page_id] = None
+        elif hit.page_id is not None and self.store is not None:
+            self.store.make_durable(hit.page_id)
         lane.n_past = lane.cached_tokens = hit.length
         return hit
 
@@ -134,13 +162,10 @@ class PrefixCache:
         if hit.source is not Source.NONE:
             c.hits += 1
             c.hit_tokens += hit.length
-        if hit.source is Source.RAM:
-            c.host_hits += 1
-            c.host_hit_tokens += hit.length
-            if hit.whole:
-                # The whole entry came back: resident again, sharing the lane's
-                # cells, so the next repeat is a `seq_cp`.
-                self._record(lane, lane.prompt_identity, hit.logits)
+        if hit.source in (Source.RAM, Source.DISK) and hit.whole:
+            # The whole entry came back: resident again, sharing the lane's
+            # cells, so the next repeat is a `seq_cp`.
+            self._record(lane, lane.prompt_identity, hit.logits)
         if not (self.mode.records and lane.request.record) or hit.whole:
             return
         if self.on_grid:
@@ -212,7 +237,9 @@ class PrefixCache:
             self.tiers.logits[prefix.page_id] = logits
         resident.commit_record(prefix.page_id, allocation.seq_id, n, nbytes)
         if not self.on_grid:
-            self.tiers.file(prefix.page_id, lane.space, (tokens if tokens is not None else lane.prompt)[:n])
+            entry_tokens = (tokens if tokens is not None else lane.prompt)[:n]
+            self.tiers.file(prefix.page_id, lane.space, entry_tokens)
+            self._entries[prefix.page_id] = (lane.space, entry_tokens)
         self.counters.records += 1
         return True
 
@@ -235,11 +262,11 @@ class PrefixCache:
         return True
 
     def shed_idle(self) -> int:
-        """Demote entries idle past `idle_tokens` decoded tokens to the host tier; how many left the pool.
+        """Demote entries idle past `idle_tokens` decoded tokens to the store; how many left the pool.
 
         A pool that holds only what is in use keeps every decode's KV view narrow.
         """
-        if self.tiers.host is None or self.idle_tokens <= 0:
+        if self.store is None or self.idle_tokens <= 0:
             return 0
         evicted = self.tiers.resident.evict_idle(self.idle_tokens, self._demote)
         self.counters.idle_evictions += len(evicted)
@@ -253,23 +280,25 @@ class PrefixCache:
         return len(evicted)
 
     def evict_all(self) -> int:
-        """Drop every resident entry and empty the state tiers (an operator's "clear"); resident entries dropped."""
-        for _, tier in self.tiers.state_tiers:
-            pages = tier.pages()
-            tier.clear()
-            for page_id in pages:
+        """Drop every resident entry and empty the store (an operator's "clear"); resident entries dropped."""
+        if self.store is not None:
+            for page_id in self.store.clear():
                 self.tiers.forget_if_gone(page_id)
+        self._to_persist.clear()
+        self._reused.clear()
         evicted = self.tiers.resident.clear(self._drop)
         self._forget(evicted)
         return len(evicted)
 
-    def decoded(self, tokens: int) -> None:
-        """The pool decoded `tokens` more tokens: the clock idle entries are measured by."""
+    def decoded(self, tokens: int, prefill_tokens: int, ms: float) -> None:
+        """The pool decoded `tokens` more tokens (`prefill_tokens` of them prompt chunks) in `ms`:
+        the clock idle entries are measured by, and the prefill side of the restore costs."""
         self.tiers.resident.advance_work(tokens)
+        self.costs.prefilled(prefill_tokens, ms)
 
     def stats(self) -> CacheStats:
-        host = self.tiers.host
-        return CacheStats(self.tiers.resident.stats(), host.stats() if host is not None else None,
+        store = self.store
+        return CacheStats(self.tiers.resident.stats(), store.stats() if store is not None else None,
                           replace(self.counters))
 
     def check_invariants(self) -> None:
@@ -286,41 +315,82 @@ class PrefixCache:
             return Why.BELOW_MIN_TOKENS
         return None
 
-    def _restore(self, hit: Hit, lane_seq: int) -> bool | None:
-        """Restore a host entry onto an empty lane, keeping its first `hit.length` positions.
+    def _restore(self, hit: Hit, lane: Lane) -> Hit | bool | None:
+        """Restore the hit from the store onto the lane's empty sequence; the hit as restored.
 
-        None when the pool has no room for the whole entry (it stays in its
-        tier); False when llama.cpp refused it (it is dropped).
+        None when the pool has no room for it (the store keeps it); False when
+        the store could not give it (a chunk gone or quarantined) or llama.cpp
+        refused it (the page is dropped).
         """
-        host = self.tiers.host
-        assert host is not None and hit.page_id is not None
-        entry = host.get(hit.page_id)
-        assert entry is not None, f"planned host page {hit.page_id} is gone"
-        n = entry.token_count
-        if not self.make_room(n):
-            return None
-        if not self.pool.restore(lane_seq, entry.payload, n):
-            # Refused (no slot) or not the state the books promised: do not offer it again.
-            host.discard(hit.page_id)
-            self.tiers.forget_if_gone(hit.page_id)
+        store = self.store
+        assert store is not None
+        t0 = time.perf_counter()
+        fetched = store.fetch(hit, lane.chunk_ids)
+        if fetched is None or fetched.length < self.tiers.min_tokens:
+            self._forget_store_pages(store.prune())
             return False
-        if hit.length < n:
-            self.pool.trim(lane_seq, hit.length)
-        return True
+        if not self.make_room(fetched.cells):
+            return None
+        if not self.pool.restore(lane.seq_id, fetched.payload, fetched.cells):
+            if hit.page_id is not None:
+                store.discard(hit.page_id)
+                self.tiers.forget_if_gone(hit.page_id)
+            return False
+        if fetched.cells > fetched.length:
+            self.pool.trim(lane.seq_id, fetched.length)
+        ms = (time.perf_counter() - t0) * 1000
+        self.costs.restored(fetched.source, fetched.cells, ms)
+        c = self.counters
+        c.restores += 1
+        c.restore_tokens += fetched.length
+        c.restore_ms += ms
+        c.disk_restores += fetched.source is Source.DISK
+        if fetched.length < hit.length:
+            # A chunk failed its check on the way: what came before it is still exact.
+            return Hit(fetched.source, hit.page_id, fetched.length, Why.DIVERGED)
+        return replace(hit, logits=fetched.logits if hit.whole else None)
 
     def _demote(self, eviction: ResidentEviction) -> None:
-        """Copy an evicted entry's state to the host tier (if there is one), then drop its cells."""
-        host = self.tiers.host
-        if host is not None and not host.touch(eviction.page_id):
-            logits = self.tiers.logits.get(eviction.page_id)
-            payload = self.pool.export(eviction.seq_id)
-            entry = HostEntry(eviction.token_count, payload, logits.tobytes() if logits is not None else None)
-            pushed_out = host.put(eviction.page_id, entry)
-            if eviction.page_id in host:
-                self.counters.demotions += 1
-            for page_id in pushed_out:
-                self.tiers.forget_if_gone(page_id)
+        """Export an evicted entry's state to the store (if there is one), then drop its cells."""
+        self._persist(eviction.page_id, eviction.seq_id)
         self._drop(eviction)
+
+    def _persist(self, page_id: PageId, seq_id: int) -> None:
+        store = self.store
+        if store is None or page_id in store or page_id not in self._entries:
+            return
+        space, tokens = self._entries[page_id]
+        logits = self.tiers.logits.get(page_id)
+        queued = store.put(page_id, space, tokens, self.pool.export(seq_id),
+                           logits.tobytes() if logits is not None else None, durable=page_id in self._reused)
+        if queued:
+            self.counters.demotions += 1
+        else:
+            self.counters.store_drops += 1
+        self._forget_store_pages(store.prune())
+
+    @property
+    def idle_work_left(self) -> bool:
+        return bool(self._to_persist)
+
+    def idle_work(self) -> bool:
+        """Export one resident entry that was reused, so it outlives the process; False when none is left.
+
+        Called by the engine only when no request runs: an export is a copy of
+        the entry's whole state, which must not hold up a decode.
+        """
+        while self._to_persist:
+            page_id = next(iter(self._to_persist))
+            del self._to_persist[page_id]
+            entry = self.tiers.resident.peek(page_id)
+            if entry is not None:
+                self._persist(page_id, entry.seq_id)
+                return True
+        return False
+
+    def _forget_store_pages(self, pages: list[PageId]) -> None:
+        for page_id in pages:
+            self.tiers.forget_if_gone(page_id)
 
     def _drop(self, eviction: ResidentEviction) -> None:
         self.pool.free(eviction.seq_id)
@@ -328,4 +398,7 @@ class PrefixCache:
     def _forget(self, evictions: list[ResidentEviction] | tuple[ResidentEviction, ...]) -> None:
         """After the resident books let entries go: the index and logits follow."""
         for eviction in evictions:
+            self._entries.pop(eviction.page_id, None)
+            self._to_persist.pop(eviction.page_id, None)
+            self._reused.discard(eviction.page_id)
             self.tiers.forget_if_gone(eviction.page_id)

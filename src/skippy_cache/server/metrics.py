@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skippy_cache.runtime import DoneEvent, Engine, FinishReason
+from skippy_cache.tiers import StoreStats
 
 #: Time to first token: tens of ms for a full cache hit, seconds for a cold
 #: long prompt on a CPU, minutes when queued behind a full pool.
@@ -72,7 +73,7 @@ class ServerMetrics:
 
 
 class EngineCollector(Collector):
-    """The engine's lanes, queue, cell pool, cache and host tier, read at scrape time."""
+    """The engine's lanes, queue, cell pool, cache and state store, read at scrape time."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -80,7 +81,7 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats()
         c = s.cache.resident
-        host = s.cache.host
+        store = s.cache.store
         n = s.cache.counters
         gauges = {
             "skippy_lanes_total": ("Execution lanes", s.lanes_total),
@@ -95,12 +96,15 @@ class EngineCollector(Collector):
             "skippy_cache_max_entries": ("Entry budget", c.max_entries),
             "skippy_cache_max_resident_tokens": ("Resident token cap (0: none)", c.max_resident_tokens),
             "skippy_cache_max_bytes": ("Byte cap (0: none)", c.max_bytes),
-            "skippy_cache_host_entries": (
-                "Exact KV states held in the host tier", host.entries if host is not None else 0
+            "skippy_store_pages": (
+                "Entries this server put into the state store", store.pages if store is not None else 0
             ),
-            "skippy_cache_host_bytes": ("Bytes held by the host tier", host.bytes if host is not None else 0),
-            "skippy_cache_host_max_bytes": (
-                "Host tier byte budget (0: no host tier)", host.max_bytes if host is not None else 0
+            "skippy_store_pending": (
+                "Exported states waiting for the store's writer", store.pending if store is not None else 0
+            ),
+            "skippy_store_dedup_ratio": (
+                "Bytes stored on behalf of entries / bytes held (chunks shared by prefixes count once)",
+                store.chunks.dedup_ratio if store is not None else 0.0,
             ),
             "skippy_cache_lookup_hit_ratio": (
                 "Lookups that reused a cached prefix / lookups",
@@ -115,17 +119,23 @@ class EngineCollector(Collector):
             "skippy_cache_records": ("Prefix entries recorded", c.records),
             "skippy_cache_evictions": ("Entries evicted (budgets, free-cell pressure, idleness)", c.evictions),
             "skippy_cache_uncacheable": ("Records refused as larger than a budget", c.uncacheable),
-            "skippy_cache_host_hits": (
-                "Lookups served by restoring a state from the host tier (also in skippy_cache_hits)",
-                n.host_hits,
+            "skippy_cache_restores": (
+                "Lookups served by restoring a state from the store (also in skippy_cache_hits)", n.restores
             ),
-            "skippy_cache_demotions": ("Evicted entries whose state was copied to the host tier", n.demotions),
+            "skippy_cache_disk_restores": ("Restores that read at least one chunk from disk", n.disk_restores),
+            "skippy_cache_restored_tokens": ("Tokens restored from the store", n.restore_tokens),
+            "skippy_cache_restore_seconds": ("Time spent restoring from the store", n.restore_ms / 1000),
+            "skippy_cache_demotions": ("Evicted entries whose state went to the store", n.demotions),
+            "skippy_cache_store_drops": (
+                "Evicted entries the store's writer was too far behind to take", n.store_drops
+            ),
             "skippy_cache_idle_evictions": (
                 "Entries evicted for sitting unused while the pool decoded idle_tokens tokens",
                 n.idle_evictions,
             ),
             "skippy_cache_restore_failures": (
-                "Host tier restores llama.cpp refused (served as misses)", n.restore_failures
+                "Restores that failed (a chunk gone or quarantined, a state llama.cpp refused): misses",
+                n.restore_failures,
             ),
             "skippy_cache_inflight_joins": (
                 "Requests that shared the cells of a prefix another running request was prefilling",
@@ -139,6 +149,40 @@ class EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _store_metrics(store)
+
+
+def _store_metrics(store: StoreStats | None) -> Iterator[Metric]:
+    """The store's tiers, labelled tier="ram" / tier="disk" (zeros without a store)."""
+    chunks = store.chunks if store is not None else None
+    disk = chunks.disk if chunks is not None else None
+    tiers = {
+        "ram": (chunks.ram_chunks, chunks.ram_bytes, chunks.ram_max_bytes, chunks.ram_hits) if chunks else (0,) * 4,
+        "disk": (disk.chunks, disk.bytes, disk.max_bytes, chunks.disk_hits) if disk and chunks else (0,) * 4,
+    }
+    families = [
+        GaugeMetricFamily("skippy_store_chunks", "Chunks held, per tier", labels=["tier"]),
+        GaugeMetricFamily("skippy_store_bytes", "Bytes held, per tier", labels=["tier"]),
+        GaugeMetricFamily("skippy_store_max_bytes", "Byte budget, per tier (0: tier off)", labels=["tier"]),
+        CounterMetricFamily("skippy_store_hits", "Chunks read (verified), per tier", labels=["tier"]),
+    ]
+    for tier, values in tiers.items():
+        for family, value in zip(families, values, strict=True):
+            family.add_metric([tier], value)
+    yield from families
+    counters = {
+        "skippy_store_misses": ("Chunk reads that found nothing", chunks.misses if chunks else 0),
+        "skippy_store_quarantined": (
+            "Chunks that failed verification, moved aside and served as misses", chunks.quarantined if chunks else 0
+        ),
+        "skippy_store_disk_write_failures": ("Disk writes that failed (full, read-only)", disk.write_failures if disk else 0),
+        "skippy_store_disk_skipped": (
+            "Chunks not written: over the disk budget or the filesystem's free-space reserve",
+            disk.skipped_full if disk else 0,
+        ),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(name, doc, value=value)
 
 
 class RequestCounter:

@@ -14,19 +14,33 @@ import signal
 import uvicorn
 
 from skippy_cache.config import MIN_CTX_FOR_CELL_CAP
-from skippy_cache.runtime import Engine
+from skippy_cache.runtime import CacheDirBusy, Engine
 from skippy_cache.server.app import create_app
 from skippy_cache.server.settings import ServerSettings
 
 log = logging.getLogger("skippy_cache.server")
 
 
-def _host_tier_line(engine: Engine) -> str:
+def _store_lines(engine: Engine) -> list[str]:
     info = engine.info
-    if info.host_cache_bytes == 0:
-        return "off (deterministic mode)" if info.deterministic else "off"
+    store = engine.stats().cache.store
+    if store is None:
+        why = "deterministic mode" if info.deterministic else (info.store_note or "no RAM or disk tier configured")
+        return [f"  store     off ({why})"]
     leaves = f"after {info.idle_tokens} idle tokens" if info.idle_tokens else "only when their cells are needed"
-    return f"{info.host_cache_bytes // (1 << 20)} MiB of RAM; entries leave the pool {leaves}"
+    lines = [
+        f"  store     chunks of {store.chunk_tokens} tokens; entries leave the pool {leaves}",
+        f"            RAM {info.host_cache_bytes // (1 << 20)} MiB",
+    ]
+    disk = store.chunks.disk
+    if disk is None:
+        lines.append("            disk off (--cache-dir none)")
+    else:
+        lines.append(
+            f"            disk {disk.root}: {disk.max_bytes // (1 << 20)} MiB, found {disk.chunks} chunks "
+            f"({disk.bytes // (1 << 20)} MiB), removed {disk.removed_at_start} unfinished files"
+        )
+    return lines
 
 
 def startup_report(engine: Engine, settings: ServerSettings) -> str:
@@ -54,7 +68,7 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
         f"            reserved sequences 0..{budgets.reserved_seq_count - 1} (lanes), "
         f"min_tokens {policy.min_tokens}, stride {policy.stride_tokens}, "
         f"record limit {policy.record_limit or 'all'}",
-        f"  host tier {_host_tier_line(engine)}",
+        *_store_lines(engine),
         f"  requests  queue {info.max_queue}, chat max_tokens default {settings.default_max_tokens}, "
         f"model names {model.model_id!r} or {settings.model_alias!r}, {auth}",
         f"  listen    http://{settings.host}:{settings.port}",
@@ -66,7 +80,11 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
 
 def serve(settings: ServerSettings) -> int:
     log.info("loading model %s", settings.model or "(default: SmolLM2-135M-Instruct Q4_1)")
-    engine = Engine(settings.engine_config())
+    try:
+        engine = Engine(settings.engine_config())
+    except CacheDirBusy as exc:
+        log.error("%s", exc)
+        return 2
     try:
         log.info("%s", startup_report(engine, settings))
         if not _is_loopback(settings.host) and not settings.api_key:

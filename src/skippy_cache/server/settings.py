@@ -30,6 +30,14 @@ DEFAULT_CHAT_MAX_TOKENS = 512
 #: The name a request may use instead of the GGUF's model id.
 DEFAULT_MODEL_ALIAS = "skippy-cache"
 
+MIB = 1024 * 1024
+
+
+def default_cache_dir(env: Mapping[str, str]) -> Path:
+    """Where a server keeps the store's disk tier unless told otherwise: `$XDG_CACHE_HOME/skippy-cache`."""
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "skippy-cache"
+
 
 class SettingsError(ValueError):
     """A setting with a malformed value; the message names the setting and its source."""
@@ -53,8 +61,12 @@ class ServerSettings:
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     model_alias: str = DEFAULT_MODEL_ALIAS
     log_level: str = "info"
-    #: Host RAM for exact KV states demoted from the pool (0: no host tier).
-    host_cache_mib: int = 2048
+    #: The state store's RAM tier in MiB (None: the smaller of 8 GiB and a quarter of RAM; 0: none).
+    host_cache_mib: int | None = None
+    #: The store's disk tier (None: none). `load_settings` defaults it to the user's cache directory.
+    cache_dir: Path | None = None
+    disk_cache_mib: int = 10240
+    chunk_tokens: int = 256
     #: Demote an entry once the pool decodes this many tokens without using it (0: only under pressure).
     idle_tokens: int = 256
     cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
@@ -68,7 +80,10 @@ class ServerSettings:
             cache=self.cache,
             deterministic=self.deterministic,
             max_queue=self.queue_size,
-            host_cache_bytes=self.host_cache_mib * 1024 * 1024,
+            host_cache_bytes=None if self.host_cache_mib is None else self.host_cache_mib * MIB,
+            cache_dir=self.cache_dir,
+            disk_cache_bytes=self.disk_cache_mib * MIB,
+            chunk_tokens=self.chunk_tokens,
             idle_tokens=self.idle_tokens,
         )
 
@@ -115,6 +130,19 @@ def _optional_str(name: str, text: str) -> str | None:
 
 def _path(name: str, text: str) -> Path:
     return Path(_str(name, text)).expanduser()
+
+
+def _cache_dir(name: str, text: str) -> Path | None:
+    if text.strip().lower() in ("none", "off"):
+        return None
+    return _path(name, text)
+
+
+def _chunk_tokens(name: str, text: str) -> int:
+    value = _int(64)(name, text)
+    if value % 64:
+        raise SettingsError(f"{name}={value} must be a multiple of 64 (the record grid)")
+    return value
 
 
 def _log_level(name: str, text: str) -> str:
@@ -185,11 +213,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_level", "--log-level", "SKIPPY_LOG_LEVEL", "log_level", _log_level,
            "critical, error, warning, info, debug or trace (default info)", "LEVEL"),
     Option("host_cache_mib", "--host-cache-mib", "SKIPPY_HOST_CACHE_MIB", "host_cache_mib", _int(0),
-           "host RAM in MiB for exact KV states demoted from the pool; 0 turns the host tier off "
-           "(default 2048; unused with --deterministic)", "N"),
+           "RAM tier of the state store in MiB, for exact KV states that left the pool; 0 turns it off "
+           "(default: the smaller of 8 GiB and a quarter of RAM; no store with --deterministic)", "N"),
+    Option("cache_dir", "--cache-dir", "SKIPPY_CACHE_DIR", "cache_dir", _cache_dir,
+           "disk tier of the state store, one server per directory; states there survive restarts "
+           "(default: $XDG_CACHE_HOME/skippy-cache; 'none' turns the disk tier off)", "DIR"),
+    Option("disk_cache_mib", "--disk-cache-mib", "SKIPPY_DISK_CACHE_MIB", "disk_cache_mib", _int(1),
+           "disk tier budget in MiB; it also keeps 1 GiB of the filesystem free (default 10240)", "N"),
+    Option("chunk_tokens", "--chunk-tokens", "SKIPPY_CHUNK_TOKENS", "chunk_tokens", _chunk_tokens,
+           "tokens per stored chunk, a multiple of 64: prompts that share a prefix share its chunks "
+           "(default 256)", "N"),
     Option("idle_tokens", "--idle-tokens", "SKIPPY_IDLE_TOKENS", "idle_tokens", _int(0),
-           "demote an entry to the host tier once the pool has decoded this many tokens without using it; "
-           "0: only when its cells are needed (default 256)", "N"),
+           "move an entry from the pool to the store once the pool has decoded this many tokens without "
+           "using it; 0: only when its cells are needed (default 256)", "N"),
     # The core's cache settings; the environment names are the core's own
     # (StageKvCacheConfig.from_env reads them).
     Option("cache.mode", "--cache-mode", "SKIPPY_KV_CACHE", "mode", _wrap(parse_cache_mode),
@@ -314,6 +350,8 @@ def load_settings(
     layers.update(values_from_env(env))
     if args is not None:
         layers.update(values_from_args(args))
+    # A server keeps its store on disk unless told not to ('none' sets None explicitly).
+    layers.setdefault("cache_dir", default_cache_dir(env))
     return build_settings(layers)
 
 

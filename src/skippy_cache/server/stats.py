@@ -29,13 +29,16 @@ def cache_report(engine: Engine) -> dict:
             "record_limit": policy.record_limit,
             "grid_tokens": policy.grid_tokens,
             "host_cache_bytes": info.host_cache_bytes,
+            "cache_dir": str(info.cache_dir) if info.cache_dir is not None else None,
+            "disk_cache_bytes": info.disk_cache_bytes if info.cache_dir is not None else 0,
+            "chunk_tokens": info.chunk_tokens,
             "idle_tokens": info.idle_tokens,
         },
         # Each request's lookup counted once: hits by tier, records, evictions, demotions.
         "counters": dataclasses.asdict(s.cache.counters),
         "resident": dataclasses.asdict(s.cache.resident),
-        # None when there is no host tier (host_cache_bytes 0, or deterministic mode).
-        "host": dataclasses.asdict(s.cache.host) if s.cache.host is not None else None,
+        # The state store's pages and tiers; None without one (deterministic mode, or turned off).
+        "store": dataclasses.asdict(s.cache.store) if s.cache.store is not None else None,
         "pool": {
             "n_ctx": s.n_ctx,
             "used_cells": s.used_cells,

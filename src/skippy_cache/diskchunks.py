@@ -1,0 +1,339 @@
+"""The disk tier: sealed chunks as files under one cache directory, LRU under a byte budget.
+
+    root/lock                         held (flock) by the one process using the directory
+    root/v1/chunks/<2 hex>/<key>.chunk
+    root/v1/quarantine/               files that failed verification, kept for a post-mortem
+
+Bytes only: values are whatever `chunks.seal` made, and the caller verifies
+every read (`chunks.unseal`), so this class never reads contents at start and
+trusts only file names. A write is atomic (temporary file, fsync, rename), so
+a crash leaves either the whole file or a `*.tmp`, which the next open removes.
+A failed write (disk full, read-only, permissions) is a skipped cache entry,
+never an error for the request that made it.
+
+Invariants, checked by `check_invariants` and the tests:
+- booked bytes equal the sum of the indexed files' sizes and never exceed `max_bytes`;
+- the index is ordered least recently used first (at open: by mtime); eviction takes the first;
+- one process per directory: a second open, in this process or another, raises `CacheDirBusy`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from skippy_cache.chunks import is_key
+
+GIB = 1 << 30
+
+_VERSION_DIR = "v1"  # bump with an incompatible layout; an old tree is then left alone, not misread
+_SUFFIX = ".chunk"
+_TMP_SUFFIX = ".tmp"
+_HEX = set("0123456789abcdef")
+
+
+class CacheDirBusy(RuntimeError):
+    """Another DiskChunks (this process or another) holds the cache directory."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiskChunkStats:
+    chunks: int
+    bytes: int
+    max_bytes: int
+    #: Chunk files indexed when the directory was opened.
+    found_at_start: int
+    #: Temporary files (a write cut by a crash) and foreign names removed at open.
+    removed_at_start: int
+    writes: int
+    #: Writes that hit an OSError (ENOSPC, EROFS, EACCES...): the chunk is not stored.
+    write_failures: int
+    #: Values larger than the whole budget, or that would eat into the filesystem's reserve.
+    skipped_full: int
+    evictions: int
+    quarantined: int
+    root: str
+
+
+class DiskChunks:
+    """Sealed chunk values as files, least recently used evicted first; one owner process per directory."""
+
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int, *, reserve_bytes: int = GIB) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"a disk tier needs a positive byte budget, got {max_bytes}")
+        if reserve_bytes < 0:
+            raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.reserve_bytes = reserve_bytes
+        self._chunks_dir = self.root / _VERSION_DIR / "chunks"
+        self._quarantine_dir = self.root / _VERSION_DIR / "quarantine"
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
+        self._bytes = 0
+        self._found_at_start = 0
+        self._removed_at_start = 0
+        self._writes = 0
+        self._write_failures = 0
+        self._skipped_full = 0
+        self._evictions = 0
+        self._quarantined = 0
+        self.root.mkdir(parents=True, exist_ok=True)
+        # Locked before the scan: the scan deletes *.tmp files, which a live owner may be writing.
+        self._lock: IO[bytes] | None = _lock(self.root)
+        try:
+            self._chunks_dir.mkdir(parents=True, exist_ok=True)
+            self._quarantine_dir.mkdir(parents=True, exist_ok=True)
+            self._scan()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the directory (idempotent); the books stay readable, the files stay on disk."""
+        if self._lock is not None:
+            lock, self._lock = self._lock, None
+            lock.close()  # closing the only descriptor of the open file releases the flock
+
+    def __enter__(self) -> DiskChunks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _scan(self) -> None:
+        found: list[tuple[int, str, int]] = []  # (mtime_ns, key, size)
+        for sub in self._chunks_dir.iterdir():
+            if not sub.is_dir():
+                self._remove_at_start(sub)
+                continue
+            if len(sub.name) != 2 or not set(sub.name) <= _HEX:
+                continue  # not a directory we make: left alone rather than deleted
+            for path in sub.iterdir():
+                key = path.name.removesuffix(_SUFFIX)
+                if path.name.endswith(_SUFFIX) and is_key(key) and key[:2] == sub.name and path.is_file():
+                    try:
+                        st = path.stat()
+                    except OSError:
+                        continue  # vanished under us
+                    found.append((st.st_mtime_ns, key, st.st_size))
+                else:
+                    self._remove_at_start(path)
+        found.sort()
+        for _, key, size in found:
+            self._index[key] = size
+            self._bytes += size
+        self._found_at_start = len(found)
+
+    def _remove_at_start(self, path: Path) -> None:
+        """Remove a temporary file or a foreign file name from our chunk tree."""
+        if path.is_dir():
+            return
+        try:
+            path.unlink()
+        except OSError:
+            return
+        self._removed_at_start += 1
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def keys(self) -> list[str]:
+        """Every key held, least recently used first."""
+        return list(self._index)
+
+    def get(self, key: str) -> bytes | None:
+        """The raw value (unverified: the caller unseals it), now the most recently used; None if absent."""
+        if key not in self._index:
+            return None
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                value = f.read()
+        except OSError:
+            self._forget(key)  # deleted behind our back, or unreadable: a miss from now on
+            return None
+        self._index.move_to_end(key)
+        try:
+            os.utime(path)  # so that the LRU order survives a restart (it is rebuilt from mtimes)
+        except OSError:
+            pass
+        return value
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def put(self, key: str, value: bytes) -> bool:
+        """Store a value atomically, evicting least recently used files to fit; False if not stored.
+
+        Never raises for the filesystem's sake: a full or read-only disk is a skipped entry.
+        A key already held is not rewritten (keys name contents) and counts as stored.
+        """
+        if key in self._index:
+            return True
+        return self.write_file(key, value) and self.book(key, len(value))
+
+    def write_file(self, key: str, value: bytes) -> bool:
+        """The file half of `put`: write it atomically (temporary file, fsync, rename), books untouched.
+
+        Touches no shared state, so a writer thread may call it without the lock
+        that guards the books, and a slow disk delays only that thread; `book`
+        then makes the file count. False (nothing left behind) when the value is
+        larger than the budget, would eat into the filesystem's reserve, or the
+        write fails.
+        """
+        if not is_key(key):
+            raise ValueError(f"{key!r} is not a chunk key (32 lowercase hex digits)")
+        size = len(value)
+        if size > self.max_bytes or not self._room_on_filesystem(size):
+            self._skipped_full += 1
+            return False
+        final = self._path(key)
+        tmp = final.with_name(f"{key}.{os.urandom(6).hex()}{_TMP_SUFFIX}")
+        try:
+            final.parent.mkdir(exist_ok=True)
+            with open(tmp, "xb") as f:
+                f.write(value)
+                f.flush()
+                os.fsync(f.fileno())
+            # No fsync of the directory: a rename lost to a power cut loses a cache entry, nothing more.
+            os.replace(tmp, final)
+        except OSError:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._write_failures += 1
+            return False
+        return True
+
+    def book(self, key: str, size: int) -> bool:
+        """Count a file `write_file` wrote, evicting least recently used others to stay in budget."""
+        if key in self._index:
+            return True
+        while self._index and self._bytes + size > self.max_bytes:
+            victim = next(iter(self._index))
+            self._unlink(victim)
+            self._evictions += 1
+        self._index[key] = size
+        self._bytes += size
+        self._writes += 1
+        return True
+
+    def _room_on_filesystem(self, size: int) -> bool:
+        """Whether writing `size` bytes leaves at least `reserve_bytes` free for everything else."""
+        try:
+            st = os.statvfs(self._chunks_dir)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize - size >= self.reserve_bytes
+
+    def discard(self, key: str) -> bool:
+        """Delete a chunk; False if it was not held."""
+        if key not in self._index:
+            return False
+        self._unlink(key)
+        return True
+
+    def quarantine(self, key: str) -> bool:
+        """Move a chunk that failed verification out of the tree, under a unique name; False if not held."""
+        if key not in self._index:
+            return False
+        path = self._path(key)
+        self._forget(key)
+        self._quarantined += 1
+        try:
+            os.replace(path, self._quarantine_dir / f"{key}.{os.urandom(6).hex()}{_SUFFIX}")
+        except OSError:
+            try:
+                path.unlink(missing_ok=True)  # cannot keep it for inspection: at least never read it again
+            except OSError:
+                pass
+        return True
+
+    def clear(self) -> int:
+        """Delete every chunk; returns how many were held."""
+        n = len(self._index)
+        for key in list(self._index):
+            self._unlink(key)
+        return n
+
+    def _unlink(self, key: str) -> None:
+        path = self._path(key)
+        self._forget(key)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only disk: the file stays, but the index no longer counts or serves it
+
+    def _forget(self, key: str) -> None:
+        self._bytes -= self._index.pop(key)
+
+    def _path(self, key: str) -> Path:
+        return self._chunks_dir / key[:2] / f"{key}{_SUFFIX}"
+
+    # -- books -----------------------------------------------------------------------------------
+
+    def stats(self) -> DiskChunkStats:
+        return DiskChunkStats(
+            chunks=len(self._index),
+            bytes=self._bytes,
+            max_bytes=self.max_bytes,
+            found_at_start=self._found_at_start,
+            removed_at_start=self._removed_at_start,
+            writes=self._writes,
+            write_failures=self._write_failures,
+            skipped_full=self._skipped_full,
+            evictions=self._evictions,
+            quarantined=self._quarantined,
+            root=str(self.root),
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the books contradict themselves (tests and debug)."""
+        total = sum(self._index.values())
+        assert total == self._bytes, f"byte books {self._bytes} != indexed files' {total}"
+        assert self._bytes <= self.max_bytes, f"{self._bytes} bytes over the budget {self.max_bytes}"
+
+
+def _lock(root: Path) -> IO[bytes]:
+    """Take `root/lock` exclusively, or raise CacheDirBusy naming the holder's pid.
+
+    flock, not fcntl's POSIX locks: a flock belongs to the open file description,
+    so a second open() of the lock file conflicts even within this process,
+    and the lock goes away with the process however it dies.
+    """
+    lock = open(root / "lock", "a+b", buffering=0)  # noqa: SIM115 - held open until close()
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_pid(lock)
+        lock.close()
+        who = "" if holder is None else f" (pid {holder}{', this process' if holder == os.getpid() else ''})"
+        raise CacheDirBusy(
+            f"cache directory {root} is in use by another skippy-cache{who}: "
+            "use another --cache-dir, or stop the process holding it"
+        ) from None
+    except BaseException:
+        lock.close()
+        raise
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n".encode())
+    return lock
+
+
+def _read_pid(lock: IO[bytes]) -> int | None:
+    try:
+        text = os.pread(lock.fileno(), 32, 0).decode("ascii").strip()
+        return int(text)
+    except (OSError, ValueError):
+        return None

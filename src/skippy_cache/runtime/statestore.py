@@ -1,0 +1,405 @@
+"""The state store in the runtime: exact states of entries that leave the pool, as chunks in RAM and on disk.
+
+An entry's state (`llama_state_seq_get_data`) is cut into chunks of token rows
+(stateformat.py): chunk i holds every layer's K and V rows of tokens
+[i*C, (i+1)*C) and is named by the prefix identity at its end, so entries that
+share a prefix share its chunks, and a chunk is found from a prompt alone,
+after a restart too. The rest of an entry, at most C tokens, is its tail,
+named by the entry's own page id; a whole-prompt entry's tail carries its
+first-token logits, so an exact repeat needs no decode even after a restart.
+
+Which chunks reach disk: those of entries that were reused (a resident hit,
+or a restore from RAM), since a prompt seen once has not earned disk writes;
+a reused entry's chunks are written through to disk, and an entry reused
+only after it left the pool is copied there from RAM (`make_durable`). The
+chunks of the others live in RAM, and leave it for good when its LRU needs
+the room. Disk I/O thus follows reuse, and a restart keeps what was reused.
+
+Threads: the engine thread calls everything public (`put` hands over an
+export; `available`, `probe` and `whole_logits` answer the plan; `fetch`
+reads the chunks of a restore). The writer thread parses, cuts, seals
+(BLAKE3) and stores what `put` queued, so hashing and disk writes never hold
+up a decode. Until the writer is done an entry's export stays in `pending`
+and a restore uses it directly. The queue is bounded in bytes: when the
+writer is that far behind, `put` refuses (the entry is lost, as if the store
+were full) rather than make the engine wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from skippy_cache.chunks import Chunk, chunk_key, seal, tail_key
+from skippy_cache.chunkstore import ChunkStore, Tier
+from skippy_cache.diskchunks import DiskChunks
+from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities
+from skippy_cache.placement import ALIGN
+from skippy_cache.runtime.info import EngineConfig, default_host_cache_bytes
+from skippy_cache.stateformat import Layout, StateFormatError, join, parse, split
+from skippy_cache.tiers import Hit, Source, StoreStats
+
+log = logging.getLogger("skippy_cache.store")
+
+_SOURCE = {Tier.RAM: Source.RAM, Tier.DISK: Source.DISK, None: Source.NONE}
+
+
+@dataclass(slots=True)
+class Page:
+    """An entry this process put into the store: the names of its chunks and tail."""
+
+    token_count: int
+    #: Chunks of tokens [0, C), [C, 2C), ... before the tail.
+    chunk_keys: tuple[str, ...]
+    #: Tokens [len(chunk_keys) * C, token_count): between 1 and C of them.
+    tail_key: str
+    #: A whole-prompt entry's first-token logits (float32 bytes).
+    logits: bytes | None
+    #: Reused at least once: its chunks go to disk too.
+    durable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """What a restore imports: a payload of `cells` tokens, of which the first `length` are kept."""
+
+    payload: bytes | bytearray
+    cells: int
+    length: int
+    source: Source
+    logits: np.ndarray | None
+
+
+class StateStore:
+    def __init__(self, chunks: ChunkStore, layout: Layout, chunk_tokens: int, *, max_pending_bytes: int) -> None:
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.chunks = chunks
+        self.layout = layout
+        self.layout_id = layout.fingerprint()
+        self.chunk_tokens = chunk_tokens
+        self.max_pending_bytes = max_pending_bytes
+        self._pages: OrderedDict[PageId, Page] = OrderedDict()
+        self._pending: dict[PageId, bytes | bytearray] = {}
+        self._pending_bytes = 0
+        #: Work for the writer: (page, "store") cuts a pending export; (page, "spill") copies a
+        #: stored page's chunks from RAM to disk.
+        self._queue: deque[tuple[PageId, str]] = deque()
+        #: Pages the writer could not store (an export it could not parse): `prune` hands them back.
+        self._lost: list[PageId] = []
+        self._cv = threading.Condition()
+        self._closing = False
+        self._writer = threading.Thread(target=self._write_loop, name="skippy-store-writer", daemon=True)
+        self._writer.start()
+
+    # -- names -------------------------------------------------------------------------
+
+    def chunk_identities(self, space: IdentityKey, tokens: Sequence[int]) -> tuple[PrefixIdentity, ...]:
+        """The identities that name the chunks of `tokens`: at every multiple of C up to their length."""
+        lengths = list(range(self.chunk_tokens, len(tokens) + 1, self.chunk_tokens))
+        if not lengths:
+            return ()
+        ids = prefix_identities(space, tokens, lengths)
+        return tuple(ids[n] for n in lengths)
+
+    def _chunk_keys(self, ids: Sequence[PrefixIdentity]) -> list[str]:
+        return [chunk_key(i.page_id, self.layout_id) for i in ids]
+
+    # -- the engine's side: writes -------------------------------------------------------
+
+    def __contains__(self, page_id: object) -> bool:
+        with self._cv:
+            return page_id in self._pages
+
+    def put(
+        self,
+        page_id: PageId,
+        space: Hashable,
+        tokens: Sequence[int],
+        payload: bytes | bytearray,
+        logits: bytes | None,
+        *,
+        durable: bool,
+    ) -> bool:
+        """Queue an entry's exported state for the writer (`durable`: to disk too); False when the writer
+        is too far behind."""
+        n = len(tokens)
+        assert isinstance(space, IdentityKey)
+        n_chunks = (n - 1) // self.chunk_tokens
+        ids = self.chunk_identities(space, tokens[: n_chunks * self.chunk_tokens])
+        page = Page(n, tuple(self._chunk_keys(ids)), tail_key(page_id, self.layout_id), logits, durable)
+        with self._cv:
+            if self._pending_bytes + len(payload) > self.max_pending_bytes:
+                return False
+            self._pages[page_id] = page
+            self._pages.move_to_end(page_id)
+            self._pending[page_id] = payload
+            self._pending_bytes += len(payload)
+            self._queue.append((page_id, "store"))
+            self._cv.notify()
+        return True
+
+    def make_durable(self, page_id: PageId) -> None:
+        """The page was reused: from now on its chunks belong on disk too."""
+        with self._cv:
+            page = self._pages.get(page_id)
+            if page is None or page.durable or self.chunks.disk is None:
+                return
+            page.durable = True
+            if page_id not in self._pending:  # else the writer sees the flag when it cuts the export
+                self._queue.append((page_id, "spill"))
+                self._cv.notify()
+
+    def discard(self, page_id: PageId) -> bool:
+        with self._cv:
+            return self._drop_page(page_id)
+
+    def prune(self) -> list[PageId]:
+        """Forget pages none of whose tokens can be restored any more (chunks evicted or lost)."""
+        with self._cv:
+            gone = [p for p in self._lost if p in self._pages]
+            self._lost.clear()
+            for page_id, page in self._pages.items():
+                if page_id not in self._pending and self.chunks.where(
+                    page.chunk_keys[0] if page.chunk_keys else page.tail_key
+                ) is None:
+                    gone.append(page_id)
+            for page_id in gone:
+                self._drop_page(page_id)
+            return gone
+
+    def clear(self) -> list[PageId]:
+        """Empty the store (chunks on disk too); the pages this process had put there."""
+        with self._cv:
+            pages = list(self._pages)
+            self._pages.clear()
+            self._pending.clear()
+            self._pending_bytes = 0
+            self._queue.clear()
+            self.chunks.clear()
+            return pages
+
+    # -- the engine's side: the plan ------------------------------------------------------
+
+    def available(self, page_id: PageId) -> tuple[int, Source]:
+        with self._cv:
+            page = self._pages.get(page_id)
+            if page is None:
+                return 0, Source.NONE
+            if page_id in self._pending:
+                return page.token_count, Source.RAM
+            run, tier = self.chunks.run(page.chunk_keys)
+            if run < len(page.chunk_keys):
+                return run * self.chunk_tokens, _SOURCE[tier]
+            tail = self.chunks.where(page.tail_key)
+            if tail is None:
+                return run * self.chunk_tokens, _SOURCE[tier]
+            return page.token_count, _SOURCE[_slowest(tier, tail)]
+
+    def whole_logits(self, page_id: PageId) -> np.ndarray | None:
+        with self._cv:
+            page = self._pages.get(page_id)
+        if page is None or page.logits is None:
+            return None
+        return np.frombuffer(page.logits, dtype=np.float32).copy()
+
+    def probe(self, chunks: Sequence[PrefixIdentity], whole: PrefixIdentity | None) -> tuple[int, Source, bool]:
+        keys = self._chunk_keys(chunks)
+        with self._cv:
+            run, tier = self.chunks.run(keys)
+            complete = False
+            if whole is not None and run == len(keys):
+                tail = self.chunks.where(tail_key(whole.page_id, self.layout_id))
+                if tail is not None:
+                    complete, tier = True, _slowest(tier, tail)
+        return run * self.chunk_tokens, _SOURCE[tier], complete
+
+    # -- the engine's side: restores ------------------------------------------------------
+
+    def fetch(self, hit: Hit, chunk_ids: Sequence[PrefixIdentity]) -> Fetched | None:
+        """The payload for the first `hit.length` tokens of the hit, read and verified chunk by chunk.
+
+        A chunk that is gone or fails its check ends the run there: what comes
+        before it is returned (a shorter hit), None if nothing is left.
+        """
+        c = self.chunk_tokens
+        with self._cv:
+            page = self._pages.get(hit.page_id) if hit.page_id is not None else None
+            pending = self._pending.get(hit.page_id) if hit.page_id is not None else None
+        if page is not None and pending is not None:
+            logits = np.frombuffer(page.logits, np.float32).copy() if page.logits is not None else None
+            return Fetched(pending, page.token_count, hit.length, Source.RAM, logits)
+        n = hit.length
+        if page is not None:
+            keys = list(page.chunk_keys[: -(-n // c)])
+            if n > len(page.chunk_keys) * c:
+                keys.append(page.tail_key)
+        else:
+            keys = self._chunk_keys(chunk_ids[: n // c])
+            if hit.whole:
+                assert hit.page_id is not None
+                keys.append(tail_key(hit.page_id, self.layout_id))
+        pieces: list[Chunk] = []
+        source = Source.RAM
+        with self._cv:
+            for key in keys:
+                where = self.chunks.where(key)
+                chunk = self.chunks.get(key)
+                if chunk is None:
+                    break
+                pieces.append(chunk)
+                if where is Tier.DISK:
+                    source = Source.DISK
+        if len(pieces) < len(keys):
+            # Every chunk before the one that failed is a full one (only the tail is short).
+            length = len(pieces) * c
+        else:
+            length = min(n, sum(p.tokens for p in pieces))
+        if length == 0:
+            return None
+        try:
+            payload = join(self.layout, [p.payload for p in pieces], length)
+        except StateFormatError:
+            log.exception("store: chunks that passed their checks do not join; serving a miss")
+            return None
+        cells = length
+        logits = None
+        if hit.whole and length == n and pieces[-1].logits is not None:
+            logits = np.frombuffer(pieces[-1].logits, np.float32).copy()
+        elif hit.whole:
+            # Without its logits a whole prompt is reused up to its last token, which is decoded.
+            length = min(length, n - 1)
+        return Fetched(payload, cells, length, source, logits)
+
+    # -- stats and upkeep ----------------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        with self._cv:
+            return StoreStats(len(self._pages), len(self._pending), self.chunk_tokens, self.chunks.stats())
+
+    def pages(self) -> list[PageId]:
+        with self._cv:
+            return list(self._pages)
+
+    def check_invariants(self) -> None:
+        with self._cv:
+            self.chunks.check_invariants()
+            assert set(self._pending) <= set(self._pages), "a pending export belongs to no page"
+            booked = sum(len(p) for p in self._pending.values())
+            assert booked == self._pending_bytes, f"pending bytes {self._pending_bytes}, held {booked}"
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until the writer has stored everything queued (tests, shutdown); False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending, timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish queued writes (up to `timeout`), stop the writer, release the disk tier."""
+        self.drain(timeout)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._writer.join(timeout)
+        if self.chunks.disk is not None:
+            self.chunks.disk.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _drop_page(self, page_id: PageId) -> bool:
+        page = self._pages.pop(page_id, None)
+        payload = self._pending.pop(page_id, None)
+        if payload is not None:
+            self._pending_bytes -= len(payload)
+            self._cv.notify_all()
+        return page is not None
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                page_id, job = self._queue.popleft()
+                page = self._pages.get(page_id)
+                payload = self._pending.get(page_id)
+            if job == "spill":
+                if page is not None:
+                    self._spill(page)
+                continue
+            if page is None or payload is None:
+                continue  # discarded or cleared meanwhile
+            try:
+                self._write(page, payload)
+            except Exception:  # noqa: BLE001 - one bad export must not stop the writer
+                log.exception("store: could not store an exported state; its entry is lost")
+                with self._cv:
+                    self._lost.append(page_id)
+            with self._cv:
+                if self._pending.get(page_id) is payload:
+                    del self._pending[page_id]
+                    self._pending_bytes -= len(payload)
+                self._cv.notify_all()
+
+    def _write(self, page: Page, payload: bytes | bytearray) -> None:
+        state = parse(payload)
+        if state.n_tokens != page.token_count:
+            raise StateFormatError(f"export holds {state.n_tokens} tokens, its entry {page.token_count}")
+        pieces = split(state, self.chunk_tokens)
+        assert len(pieces) == len(page.chunk_keys) + 1, "the tail is the last piece"
+        names = [*page.chunk_keys, page.tail_key]
+        for i, (key, rows) in enumerate(zip(names, pieces, strict=True)):
+            logits = page.logits if key == page.tail_key else None
+            tokens = state.n_tokens - i * self.chunk_tokens if key == page.tail_key else self.chunk_tokens
+            with self._cv:
+                if self.chunks.share(key, len(rows)):
+                    continue  # held already: counted as shared, nothing to write
+            # Sealing (BLAKE3) and the disk write run without the lock: a slow disk
+            # delays this thread, never a plan or a restore on the engine thread.
+            value = seal(Chunk(key, tokens, rows, logits))
+            disk = self.chunks.disk
+            on_disk = page.durable and disk is not None and disk.write_file(key, value)
+            with self._cv:
+                self.chunks.add_written(key, len(rows), value, on_disk=on_disk)
+
+    def _spill(self, page: Page) -> None:
+        """Copy a page's chunks that are only in RAM to disk (the file writes without the lock)."""
+        disk = self.chunks.disk
+        assert disk is not None
+        for key in [*page.chunk_keys, page.tail_key]:
+            with self._cv:
+                value = None if key in disk else self.chunks.ram_value(key)
+            if value is not None and disk.write_file(key, value):
+                with self._cv:
+                    self.chunks.book_on_disk(key, len(value))
+
+
+def _slowest(a: Tier | None, b: Tier | None) -> Tier | None:
+    return Tier.DISK if Tier.DISK in (a, b) else (a or b)
+
+
+def open_store(config: EngineConfig, warm_state: bytes | bytearray) -> tuple[StateStore | None, str | None]:
+    """The store an engine's config asks for, and why there is none when one was asked for.
+
+    `warm_state` is any sequence's exported state: its layout is the one every
+    chunk is cut in. A disk tier whose directory another process holds raises
+    `CacheDirBusy` (the server refuses to start, with that message).
+    """
+    ram = default_host_cache_bytes() if config.host_cache_bytes is None else config.host_cache_bytes
+    if ram <= 0 and config.cache_dir is None:
+        return None, None
+    if config.chunk_tokens <= 0 or config.chunk_tokens % ALIGN:
+        raise ValueError(f"chunk_tokens must be a positive multiple of {ALIGN}, got {config.chunk_tokens}")
+    try:
+        layout = parse(warm_state).layout
+    except StateFormatError as exc:
+        return None, f"no state store: this model's KV state cannot be cut into chunks ({exc})"
+    disk = None
+    if config.cache_dir is not None:
+        disk = DiskChunks(config.cache_dir, config.disk_cache_bytes, reserve_bytes=config.disk_reserve_bytes)
+    store = StateStore(ChunkStore(ram, disk), layout, config.chunk_tokens, max_pending_bytes=config.max_pending_bytes)
+    return store, None

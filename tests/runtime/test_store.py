@@ -1,0 +1,299 @@
+"""The state store on the real model: entries leave the pool as chunks in RAM and on disk, and come back exact."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastmode import assert_logits_close
+from prompts import make_tokens
+
+from skippy_cache.chunks import chunk_key
+from skippy_cache.runtime import CacheDirBusy, Engine, EngineConfig
+from skippy_cache.runtime.gguf_info import default_model_path
+from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel
+from skippy_cache.runtime.requests import FinishReason, GenerationRequest
+from skippy_cache.stateformat import join, parse, split
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
+
+IDLE = 64
+CHUNK = 128
+
+
+def config(cache_dir: Path | None, **overrides: object) -> EngineConfig:
+    base = dict(ctx_size=4096, lanes=4, idle_tokens=IDLE, host_cache_bytes=256 << 20, cache_dir=cache_dir,
+                disk_reserve_bytes=0, chunk_tokens=CHUNK, check_invariants=True)
+    base.update(overrides)
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    engine = Engine(config(tmp_path_factory.mktemp("store")))
+    yield engine
+    engine.close()
+
+
+def run(engine: Engine, tokens: list[int], max_tokens: int = 1):
+    # One token: the lane's sequence is then the prompt alone, and each prompt
+    # records exactly one entry (a longer reply would record a second one).
+    return engine.generate(GenerationRequest(tokens=tokens, max_tokens=max_tokens, keep_first_logits=True))
+
+
+def settle(engine: Engine) -> None:
+    """Wait for the store's writer, so what a test checks next is on RAM and disk."""
+    assert engine.cache.store is not None and engine.cache.store.drain(60)
+
+
+def persist(engine: Engine) -> None:
+    """Wait until the idle engine has exported every reused entry, and the writer has stored them."""
+    deadline = time.monotonic() + 60
+    while engine.call(lambda: engine.cache.idle_work_left):
+        assert time.monotonic() < deadline, "the idle engine never exported its reused entries"
+        time.sleep(0.05)
+    settle(engine)
+
+
+def resident_pages(engine: Engine) -> set[str]:
+    return engine.call(lambda: {e.page_id for e in engine.cache.tiers.resident.entries()})
+
+
+def chunk_files(root: Path) -> list[Path]:
+    return sorted((root / "v1" / "chunks").rglob("*.chunk"))
+
+
+def idle_out(engine: Engine, seed: int) -> None:
+    """Other work, past IDLE decoded tokens: every entry recorded before it leaves the pool."""
+    run(engine, make_tokens(engine, 200, seed=seed))
+    settle(engine)
+
+
+def test_a_state_cut_into_chunks_and_joined_imports_bit_exact() -> None:
+    # Export, split, join, import into an empty pool on one thread: the last
+    # token's logits must equal those decoded on the original cells bit for bit.
+    model = NativeModel(default_model_path())
+    ctx = NativeContext(model, ContextParams(n_ctx=1024, n_batch=512, n_seq_max=4, n_threads=1))
+    try:
+        tokens = model.tokenize("The river keeps the garden green " * 80)[:301]
+        assert len(tokens) == 301
+        batch = Batch(512)
+        batch.add(0, tokens[:-1], 0, False)
+        assert ctx.decode(batch) == 0
+        payload = ctx.state_seq_get(0)
+        batch.clear()
+        batch.add(0, tokens[-1:], 300, True)
+        assert ctx.decode(batch) == 0
+        original = ctx.logits(0).copy()
+        ctx.seq_rm(0)
+        state = parse(payload)
+        assert state.n_tokens == 300
+        for size in (64, 128, 256):
+            joined = join(state.layout, split(state, size), 300)
+            assert joined == bytes(payload)
+            assert ctx.state_seq_set(0, joined) and ctx.seq_pos_max(0) == 299
+            batch.clear()
+            batch.add(0, tokens[-1:], 300, True)
+            assert ctx.decode(batch) == 0
+            assert np.array_equal(ctx.logits(0), original), f"chunks of {size}: logits moved"
+            ctx.seq_rm(0)
+    finally:
+        ctx.close()
+        model.close()
+
+
+def test_an_idle_entry_leaves_as_chunks_and_an_exact_repeat_needs_no_decode(engine: Engine) -> None:
+    engine.clear_cache()
+    prompt = make_tokens(engine, 300, seed=41)
+    cold = run(engine, prompt)
+    assert resident_pages(engine), "the cold run recorded nothing"
+    idle_out(engine, 42)
+    before = engine.stats().cache
+    assert before.counters.idle_evictions >= 1 and before.store is not None and before.store.pages >= 1
+    # 300 tokens in chunks of 128: two chunks and a tail of 44.
+    assert before.store.chunks.ram_chunks >= 3
+    warm = run(engine, prompt)
+    after = engine.stats().cache
+    assert warm.stats.cached_tokens == len(prompt)
+    assert after.counters.restores == before.counters.restores + 1
+    assert after.counters.restore_tokens == before.counters.restore_tokens + len(prompt)
+    # The first token comes from the logits stored with the tail: bit for bit.
+    assert np.array_equal(warm.first_logits, cold.first_logits)
+    assert warm.tokens[0] == cold.tokens[0]
+    again = run(engine, prompt)
+    assert again.stats.cached_tokens == len(prompt)
+    assert engine.stats().cache.counters.restores == after.counters.restores, "restored once, then resident"
+    assert engine.invariant_failures == []
+
+
+def test_a_partial_hit_reads_only_the_chunks_it_needs(engine: Engine) -> None:
+    engine.clear_cache()
+    first = make_tokens(engine, 600, seed=43)
+    second = first[:280] + make_tokens(engine, 40, seed=44)
+    run(engine, first)
+    recorded = resident_pages(engine)
+    idle_out(engine, 45)
+    assert recorded and not recorded & resident_pages(engine), "the first prompt is still resident"
+    hits_before = engine.stats().cache.store.chunks
+    done = run(engine, second)
+    assert done.stats.cached_tokens == 280
+    chunks = engine.stats().cache.store.chunks
+    # 280 of 600 tokens: chunks [0, 128), [128, 256), [256, 384); never the ones past it.
+    assert (chunks.ram_hits + chunks.disk_hits) - (hits_before.ram_hits + hits_before.disk_hits) == 3
+    assert done.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert engine.invariant_failures == []
+
+
+def test_prompts_that_share_a_prefix_share_its_chunks(engine: Engine) -> None:
+    engine.clear_cache()
+    system = make_tokens(engine, 600, seed=50)
+    for i in range(3):
+        run(engine, system + make_tokens(engine, 20, seed=51 + i))
+    idle_out(engine, 55)
+    store = engine.stats().cache.store
+    assert store is not None and store.pages >= 3
+    # Each entry has four chunks of the system prompt and its own tail: the four are held once.
+    assert store.chunks.duplicates >= 8
+    assert store.chunks.dedup_ratio > 1.5
+
+
+def test_the_disk_tier_survives_a_restart(tmp_path: Path) -> None:
+    first = Engine(config(tmp_path))
+    try:
+        prompt = make_tokens(first, 500, seed=60)
+        cold = run(first, prompt)
+        # A resident hit marks the entry as worth keeping; the idle engine exports it.
+        assert run(first, prompt).stats.cached_tokens == len(prompt)
+        persist(first)
+        assert first.stats().cache.store.pages >= 1
+    finally:
+        first.close()
+    files = chunk_files(tmp_path)
+    assert len(files) >= 4, files  # 500 tokens: three chunks of 128 and a tail
+    second = Engine(config(tmp_path))
+    try:
+        store = second.stats().cache.store
+        assert store is not None and store.chunks.disk is not None
+        assert store.chunks.disk.found_at_start == len(files)
+        again = run(second, prompt)
+        counters = second.stats().cache.counters
+        assert again.stats.cached_tokens == len(prompt)
+        assert counters.restores == 1 and counters.disk_restores == 1
+        assert np.array_equal(again.first_logits, cold.first_logits)
+        assert second.invariant_failures == []
+    finally:
+        second.close()
+
+
+def test_a_second_engine_on_the_same_cache_dir_is_refused(tmp_path: Path) -> None:
+    engine = Engine(config(tmp_path))
+    try:
+        with pytest.raises(CacheDirBusy, match=str(tmp_path)):
+            Engine(config(tmp_path))
+    finally:
+        engine.close()
+
+
+def first_chunk_key(engine: Engine, tokens: list[int]) -> str:
+    """The name of the chunk holding tokens [0, CHUNK) of `tokens`."""
+    store = engine.cache.store
+    assert store is not None
+    (ident,) = store.chunk_identities(engine.cache.identity_key.with_namespace(None), tokens[:CHUNK])
+    return chunk_key(ident.page_id, store.layout_id)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_a_damaged_chunk_is_quarantined_and_served_as_a_miss(tmp_path: Path, damage: str) -> None:
+    first = Engine(config(tmp_path, host_cache_bytes=0))
+    try:
+        prompt = make_tokens(first, 300, seed=70)
+        other = make_tokens(first, 300, seed=71)
+        cold = run(first, prompt)
+        for tokens in (prompt, other, other):
+            run(first, tokens)
+        persist(first)
+        mine, foreign = first_chunk_key(first, prompt), first_chunk_key(first, other)
+    finally:
+        first.close()
+    by_key = {f.stem: f for f in chunk_files(tmp_path)}
+    assert mine in by_key and foreign in by_key, "the prompts' chunks are not on disk"
+    target = by_key[mine]
+    data = target.read_bytes()
+    if damage == "flip":
+        target.write_bytes(data[:-10] + bytes([data[-10] ^ 1]) + data[-9:])
+    elif damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    else:
+        # Another prompt's chunk under this name: the name sealed inside it gives it away.
+        target.write_bytes(by_key[foreign].read_bytes())
+    second = Engine(config(tmp_path, host_cache_bytes=0))
+    try:
+        again = run(second, prompt, max_tokens=2)
+        store = second.stats().cache.store
+        assert store is not None and store.chunks.quarantined == 1
+        assert store.chunks.disk is not None and store.chunks.disk.quarantined == 1
+        assert again.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        # The first chunk was bad, so nothing before it: computed from scratch, the right answer.
+        assert again.stats.cached_tokens == 0
+        assert_logits_close(again.first_logits, cold.first_logits, "after a bad chunk vs cold")
+        assert len(list((tmp_path / "v1" / "quarantine").iterdir())) == 1
+        assert second.invariant_failures == []
+    finally:
+        second.close()
+
+
+def test_a_full_disk_never_fails_a_request(tmp_path: Path) -> None:
+    # A disk budget smaller than one chunk: nothing fits, every request is still answered.
+    engine = Engine(config(tmp_path, host_cache_bytes=0, disk_cache_bytes=1 << 20))
+    try:
+        for seed in (80, 81, 82):
+            prompt = make_tokens(engine, 300, seed=seed)
+            assert run(engine, prompt).finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+            assert run(engine, prompt).stats.cached_tokens == len(prompt)
+        persist(engine)
+        idle_out(engine, 83)
+        disk = engine.stats().cache.store.chunks.disk
+        assert disk is not None and disk.chunks == 0 and disk.skipped_full > 0
+        assert chunk_files(tmp_path) == []
+        assert engine.invariant_failures == []
+    finally:
+        engine.close()
+
+
+def test_deterministic_mode_has_no_store(tmp_path: Path) -> None:
+    engine = Engine(config(tmp_path, deterministic=True), start=False)
+    try:
+        assert engine.cache.store is None and engine.stats().cache.store is None
+        assert not (tmp_path / "lock").exists()
+    finally:
+        engine.close()
+
+
+def test_without_a_store_idle_entries_stay_resident() -> None:
+    engine = Engine(config(None, host_cache_bytes=0, lanes=2))
+    try:
+        prompt = make_tokens(engine, 200, seed=48)
+        run(engine, prompt)
+        run(engine, make_tokens(engine, 200, seed=49))
+        stats = engine.stats()
+        assert stats.cache.store is None
+        assert stats.cache.counters.idle_evictions == 0 and stats.cache.counters.demotions == 0
+        assert run(engine, prompt).stats.cached_tokens == len(prompt)
+    finally:
+        engine.close()
+
+
+def test_chunk_files_are_never_left_half_written(tmp_path: Path) -> None:
+    (tmp_path / "v1" / "chunks" / "ab").mkdir(parents=True)
+    leftover = tmp_path / "v1" / "chunks" / "ab" / ("ab" * 16 + ".123456.tmp")
+    leftover.write_bytes(b"half a chunk")
+    engine = Engine(config(tmp_path))
+    try:
+        disk = engine.stats().cache.store.chunks.disk
+        assert disk is not None and disk.removed_at_start == 1 and not leftover.exists()
+    finally:
+        engine.close()
+    assert os.path.exists(tmp_path / "lock")
