@@ -140,10 +140,10 @@ def settle(engine: Engine) -> None:
     assert engine.cache.store is not None and engine.cache.store.drain(120)
 
 
-def dedup(model: Path | None) -> None:
-    print("2. dedup (every entry leaves the pool for the store)")
+def dedup(model: Path | None, chunk_tokens: int) -> None:
+    print(f"2. dedup (every entry leaves the pool for the store; chunks of {chunk_tokens} tokens)")
     for name in ("tenants", "chat"):
-        engine = Engine(EngineConfig(model_path=model, host_cache_bytes=4 << 30))
+        engine = Engine(EngineConfig(model_path=model, host_cache_bytes=4 << 30, chunk_tokens=chunk_tokens))
         try:
             if name == "tenants":
                 systems = [tokens(engine, 600, 1000 + k) for k in range(8)]
@@ -217,12 +217,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--chunk-tokens", type=int, default=256)
+    parser.add_argument("--only", choices=["restart", "dedup", "restore", "partial"], default=None)
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f} at start\n")
-    restart(args.runs, args.model)
-    dedup(args.model)
-    restore_vs_prefill(args.runs, args.model)
-    partial(args.model)
+    if args.only in (None, "restart"):
+        restart(args.runs, args.model)
+    if args.only in (None, "dedup"):
+        dedup(args.model, args.chunk_tokens)
+    if args.only in (None, "restore"):
+        restore_vs_prefill(args.runs, args.model)
+    if args.only in (None, "partial"):
+        partial(args.model)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
 
 
