@@ -3,7 +3,7 @@
 Fixed record lengths only meet when two prompts share a whole grid length: a
 system prompt of 600 tokens is reused as 576 of them, and the other 24 are
 prefilled again on every request. The index instead keeps the tokens of every
-cached entry (resident or in the host tier) in one radix tree per *space* (the
+cached entry (resident or in the state store) in one radix tree per *space* (the
 identity of everything but the tokens: model, layout, namespace), and answers
 "which entry shares the most leading tokens with this prompt". The first L
 cells of an entry hold exactly the KV of its first L tokens (attention is

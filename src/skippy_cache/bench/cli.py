@@ -34,7 +34,7 @@ from skippy_cache.bench.targets import (
 )
 from skippy_cache.bench.workloads import WORKLOAD_FUNCTIONS, calibrate
 
-#: The server's own default: entries that do not fit the pool wait in the host tier, so the
+#: The server's own default: entries that do not fit the pool wait in the state store, so the
 #: workloads need no larger pool. Peers get the same n_ctx.
 DEFAULT_CTX_SIZE = 8192
 DEFAULT_TIMEOUT_S = 300.0

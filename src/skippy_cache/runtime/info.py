@@ -71,10 +71,10 @@ class EngineConfig:
     #: Exports waiting for the store's writer, at most (past it an entry that
     #: leaves the pool is dropped rather than make the engine wait).
     max_pending_bytes: int = 512 << 20
-    #: With a host tier: an entry unused while the pool decodes this many
+    #: With a store: an entry unused while the pool decodes this many
     #: tokens is demoted. A resident cell costs every decoded token attention
     #: time, and a restore costs a copy per cell; past this many tokens an idle
-    #: entry has cost more than bringing it back (README: host tier).
+    #: entry has cost more than bringing it back (README: the cache path, state store).
     #: 0: entries leave only when a budget or a decode needs their cells.
     idle_tokens: int = 256
     #: After every step, check the cache's books and that the cell mirror
