@@ -102,6 +102,8 @@ def test_a_lane_joins_the_prefix_another_lane_is_prefilling(engine: Engine) -> N
     assert after.joins - before.joins == 2
     assert after.join_tokens - before.join_tokens == 2 * 576
     assert [done[id(e)].stats.cached_tokens for e in events] == [0, 576, 576]
+    assert [done[id(e)].stats.cache_source for e in events] == ["none", "inflight", "inflight"]
+    assert [done[id(e)].stats.miss_reason for e in events] == ["never_seen", "diverged", "diverged"]
     # The shared cells hold the right prefix: each joiner's first-token logits
     # match its prompt computed without any reuse, within fast mode's noise.
     for tail, e in zip(tails[1:], events[1:], strict=True):

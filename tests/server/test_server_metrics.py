@@ -207,6 +207,9 @@ def test_store_demotion_and_restore_in_metrics_and_report(store_server: LiveServ
     again = complete(prompt, 1)
     assert again.usage.prompt_tokens == n_prompt
     assert again.usage.prompt_tokens_details.cached_tokens == n_prompt
+    # The response says so too: restored from the store's RAM tier, and how long that took.
+    said = again.model_extra["skippy_cache"]
+    assert (said["source"], said["matched_tokens"]) == ("ram", n_prompt) and said["restore_ms"] > 0
     restored = report()
     counters = restored["counters"]
     assert (counters["restores"], counters["restore_tokens"], counters["restore_failures"]) == (1, n_prompt, 0)

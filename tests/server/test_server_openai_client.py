@@ -156,3 +156,37 @@ def test_models_endpoint(server: LiveServer) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [server.model_id]
     assert client.models.retrieve(server.model_id).id == server.model_id
+
+
+def answer(response: object) -> dict:
+    """The top-level `skippy_cache` object, which the openai client keeps as an extra field."""
+    extra = response.model_extra  # type: ignore[attr-defined]
+    assert extra is not None and "skippy_cache" in extra, "no skippy_cache object in the response"
+    return extra["skippy_cache"]
+
+
+def test_every_response_says_what_it_reused_and_why_not_more(server: LiveServer) -> None:
+    client = server.openai()
+    prompt = long_prompt("orchards")
+    args = dict(model=server.model_id, max_tokens=2, temperature=0)
+    cold = client.completions.create(prompt=prompt, **args)
+    assert answer(cold) == {"source": "none", "matched_tokens": 0, "prompt_tokens": cold.usage.prompt_tokens,
+                            "restore_ms": 0.0, "miss_reason": "never_seen"}
+    repeat = client.completions.create(prompt=prompt, **args)
+    got = answer(repeat)
+    assert (got["source"], got["matched_tokens"]) == ("resident", repeat.usage.prompt_tokens)
+    assert "miss_reason" not in got
+    # The same start, another ending: reused as far as the two prompts agree, and said why not further.
+    diverging = client.completions.create(prompt=prompt[: len(prompt) * 4 // 5] + " Then the river turned.", **args)
+    got = answer(diverging)
+    assert got["source"] == "resident" and got["miss_reason"] == "diverged"
+    assert 0 < got["matched_tokens"] == diverging.usage.prompt_tokens_details.cached_tokens
+    assert got["matched_tokens"] < diverging.usage.prompt_tokens
+    # Chat, streamed with usage: the final chunk carries it next to `usage`.
+    stream = client.chat.completions.create(
+        messages=[{"role": "user", "content": long_prompt("quarries")}], stream=True,
+        stream_options={"include_usage": True}, **args,
+    )
+    last = list(stream)[-1]
+    assert last.usage is not None and answer(last)["prompt_tokens"] == last.usage.prompt_tokens
+    assert answer(last)["miss_reason"] == "never_seen"

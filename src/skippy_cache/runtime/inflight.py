@@ -92,6 +92,8 @@ class InflightJoins:
         self.counters.joins += 1
         self.counters.join_tokens += lane.join_at - lane.n_past
         lane.n_past = lane.cached_tokens = lane.join_at
+        lane.cache_source = "inflight"
+        lane.miss_reason = None if lane.join_at >= lane.prefill_end else "diverged"
         self._leave(lane)
 
     @staticmethod

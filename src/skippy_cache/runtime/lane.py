@@ -60,6 +60,10 @@ class Lane:
     whole_prompt: PrefixIdentity | None = None
     #: Deterministic mode: grid lengths to record when prefill reaches them.
     record_lengths: list[int] = field(default_factory=list)
+    #: What the lane reused, as its request reports it (RequestStats).
+    cache_source: str = "none"
+    miss_reason: str | None = None
+    restore_ms: float = 0.0
     #: Phase JOIN: the lane whose cells of positions [0, join_at) this one will share.
     leader: Lane | None = None
     join_at: int = 0
@@ -90,4 +94,7 @@ class Lane:
             prefill_ms=(t_first - self.t_admit) * 1000,
             ttft_ms=(t_first - self.t_submit) * 1000,
             decode_tokens_per_s=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0,
+            cache_source=self.cache_source,
+            miss_reason=self.miss_reason,
+            restore_ms=self.restore_ms,
         )

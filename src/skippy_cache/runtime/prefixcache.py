@@ -155,7 +155,9 @@ class PrefixCache:
         return hit
 
     def settle(self, hit: Hit, lane: Lane) -> None:
-        """Count the lookup once, and plan what the lane records."""
+        """Count the lookup once, note on the lane what it reused and why not more, and plan its records."""
+        lane.cache_source = hit.source.value
+        lane.miss_reason = None if hit.why in (Why.EXACT_REPEAT, Why.ALL_BUT_LAST) else hit.why.value
         c = self.counters
         if hit.why not in (Why.LOOKUP_OFF, Why.CACHE_DISABLED):
             c.lookups += 1
@@ -339,6 +341,7 @@ class PrefixCache:
         if fetched.cells > fetched.length:
             self.pool.trim(lane.seq_id, fetched.length)
         ms = (time.perf_counter() - t0) * 1000
+        lane.restore_ms += ms
         self.costs.restored(fetched.source, fetched.cells, ms)
         c = self.counters
         c.restores += 1

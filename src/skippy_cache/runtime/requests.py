@@ -86,6 +86,14 @@ class RequestStats:
     prefill_ms: float
     ttft_ms: float
     decode_tokens_per_s: float
+    #: Where the reused prefix came from: "resident", "ram", "disk", "inflight" (the cells of
+    #: another running request's prefill), or "none".
+    cache_source: str = "none"
+    #: Why no more of the prompt was reused; None when every token but the last was (or the
+    #: whole prompt, with its logits). Values: tiers.Why's, but exact_repeat and all_but_last.
+    miss_reason: str | None = None
+    #: Time spent restoring the reused prefix from the store.
+    restore_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,19 @@ def usage(stats: RequestStats) -> dict:
     }
 
 
+def cache_answer(stats: RequestStats) -> dict:
+    """The top-level `skippy_cache` object: what this request reused, from where, and why not more."""
+    answer = {
+        "source": stats.cache_source,
+        "matched_tokens": stats.cached_tokens,
+        "prompt_tokens": stats.prompt_tokens,
+        "restore_ms": round(stats.restore_ms, 3),
+    }
+    if stats.miss_reason is not None:
+        answer["miss_reason"] = stats.miss_reason
+    return answer
+
+
 def finish_reason(reason: FinishReason) -> str:
     # Only finished requests are reported; cancelled ones have no client left.
     assert reason in (FinishReason.STOP, FinishReason.LENGTH), f"no OpenAI finish_reason for {reason}"
@@ -50,7 +63,8 @@ class CompletionFormat(_Envelope):
 
     def response(self, text: str, reason: FinishReason, stats: RequestStats) -> dict:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage(stats)}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage(stats),
+                "skippy_cache": cache_answer(stats)}
 
     def opening_chunks(self) -> list[dict]:
         return []
@@ -62,7 +76,8 @@ class CompletionFormat(_Envelope):
         return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)})
 
     def usage_chunk(self, stats: RequestStats) -> dict:
-        return {**self._head("text_completion"), "choices": [], "usage": usage(stats)}
+        return {**self._head("text_completion"), "choices": [], "usage": usage(stats),
+                "skippy_cache": cache_answer(stats)}
 
     def _chunk(self, choice: dict) -> dict:
         return {**self._head("text_completion"), "choices": [choice], "usage": None}
@@ -81,7 +96,8 @@ class ChatFormat(_Envelope):
             "logprobs": None,
             "finish_reason": finish_reason(reason),
         }
-        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(stats)}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(stats),
+                "skippy_cache": cache_answer(stats)}
 
     def opening_chunks(self) -> list[dict]:
         return [self._chunk({"role": "assistant", "content": ""}, None)]
@@ -93,7 +109,8 @@ class ChatFormat(_Envelope):
         return self._chunk({}, finish_reason(reason))
 
     def usage_chunk(self, stats: RequestStats) -> dict:
-        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats)}
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats),
+                "skippy_cache": cache_answer(stats)}
 
     def _chunk(self, delta: dict, reason: str | None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
