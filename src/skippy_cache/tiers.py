@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -176,6 +176,14 @@ class CacheCounters:
     #: prefilling, and the tokens that saved them beyond their own hit.
     joins: int = 0
     join_tokens: int = 0
+    #: Requests that reused less than all but their last token, by why not more
+    #: (`Why` values), and the prompt tokens they prefilled for it.
+    misses: dict[str, int] = field(default_factory=dict)
+    missed_tokens: dict[str, int] = field(default_factory=dict)
+
+    def copy(self) -> CacheCounters:
+        """A snapshot that later counting does not change."""
+        return replace(self, misses=dict(self.misses), missed_tokens=dict(self.missed_tokens))
 
 
 @dataclass(frozen=True, slots=True)

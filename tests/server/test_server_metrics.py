@@ -97,6 +97,11 @@ def test_metrics_parse_and_move(server: LiveServer) -> None:
     completion_tokens = first.usage.completion_tokens + second.usage.completion_tokens
     assert moved("skippy_completion_tokens_total") == completion_tokens
     assert moved("skippy_time_to_first_token_seconds_count") == 2
+    # The first was a miss never seen before, its whole prefill counted; the repeat was no miss.
+    assert value(after, "skippy_cache_misses_total", reason="never_seen") \
+        == value(before, "skippy_cache_misses_total", reason="never_seen") + 1
+    assert value(after, "skippy_cache_missed_tokens_total", reason="never_seen") \
+        == value(before, "skippy_cache_missed_tokens_total", reason="never_seen") + first.usage.prompt_tokens - 1
     assert value(after, "skippy_cache_hits_total") >= value(before, "skippy_cache_hits_total") + 1
     assert value(after, "skippy_cache_resident_entries") >= 1
     assert value(after, "skippy_cache_resident_tokens") > 0

@@ -182,6 +182,9 @@ def test_every_response_says_what_it_reused_and_why_not_more(server: LiveServer)
     assert got["source"] == "resident" and got["miss_reason"] == "diverged"
     assert 0 < got["matched_tokens"] == diverging.usage.prompt_tokens_details.cached_tokens
     assert got["matched_tokens"] < diverging.usage.prompt_tokens
+    with server.http() as http:
+        counters = http.get("/v1/cache").json()["counters"]
+    assert counters["misses"]["never_seen"] >= 1 and counters["misses"]["diverged"] >= 1
     # Chat, streamed with usage: the final chunk carries it next to `usage`.
     stream = client.chat.completions.create(
         messages=[{"role": "user", "content": long_prompt("quarries")}], stream=True,

@@ -456,6 +456,7 @@ class Engine:
             self._emit(lane.sink, TokenEvent(-1, tail))
         if completed:
             self.cache.finished(lane)
+        self.cache.ended(lane)
         self._release_lane(lane)
         stats = lane.stats(time.perf_counter())
         self._requests_done += 1

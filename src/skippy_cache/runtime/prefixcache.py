@@ -190,6 +190,16 @@ class PrefixCache:
             self._record(lane, lane.whole_prompt, logits)
             lane.whole_prompt = None
 
+    def ended(self, lane: Lane) -> None:
+        """A request that ran ended (however): count why it reused no more, if it fell short."""
+        reason = lane.miss_reason
+        if reason is None:
+            return
+        c = self.counters
+        c.misses[reason] = c.misses.get(reason, 0) + 1
+        missed = max(lane.prefill_end - lane.cached_tokens, 0)
+        c.missed_tokens[reason] = c.missed_tokens.get(reason, 0) + missed
+
     def finished(self, lane: Lane) -> None:
         """The request ended: record the lane's sequence, prompt and the reply tokens fed back (fast mode).
 
@@ -301,7 +311,7 @@ class PrefixCache:
     def stats(self) -> CacheStats:
         store = self.store
         return CacheStats(self.tiers.resident.stats(), store.stats() if store is not None else None,
-                          replace(self.counters))
+                          self.counters.copy())
 
     def check_invariants(self) -> None:
         self.tiers.check_invariants()

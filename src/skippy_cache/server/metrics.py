@@ -149,6 +149,19 @@ class EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        misses = CounterMetricFamily(
+            "skippy_cache_misses", "Requests that reused less than all but their last prompt token, by why not more",
+            labels=["reason"],
+        )
+        missed = CounterMetricFamily(
+            "skippy_cache_missed_tokens", "Prompt tokens those requests prefilled, by why they were not reused",
+            labels=["reason"],
+        )
+        for reason, count in sorted(n.misses.items()):
+            misses.add_metric([reason], count)
+            missed.add_metric([reason], n.missed_tokens.get(reason, 0))
+        yield misses
+        yield missed
         yield from _store_metrics(store)
 
 
