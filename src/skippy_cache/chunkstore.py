@@ -57,6 +57,11 @@ class ChunkStoreStats:
     disk: DiskChunkStats | None
 
 
+def slower(a: Tier | None, b: Tier | None) -> Tier | None:
+    """The slower of two tiers a restore reads from (None: neither)."""
+    return Tier.DISK if Tier.DISK in (a, b) else (a or b)
+
+
 class ChunkStore:
     """A RAM LRU over a write-through disk tier; every read verified."""
 
@@ -99,8 +104,7 @@ class ChunkStore:
             tier = self.where(key)
             if tier is None:
                 return n, slowest
-            if tier is Tier.DISK or slowest is None:
-                slowest = tier
+            slowest = slower(slowest, tier)
         return len(keys), slowest
 
     # -- reads -----------------------------------------------------------------------------------

@@ -265,7 +265,8 @@ class Engine:
             n_ctx=self.n_ctx,
             used_cells=self.pool.used_cells,
             reserved_cells=reserved,
-            cache=self.cache.stats(),
+            # The store's figures are read by `stats()` when asked for, not on every step.
+            cache=self.cache.stats(include_store=False),
             placement=replace(self.placement.stats),
             steps=self._steps,
             decode_failures=self._decode_failures,

@@ -308,8 +308,10 @@ class PrefixCache:
         self.tiers.resident.advance_work(tokens)
         self.costs.prefilled(prefill_tokens, ms)
 
-    def stats(self) -> CacheStats:
-        store = self.store
+    def stats(self, *, include_store: bool = True) -> CacheStats:
+        """The books and counters; the store's figures too unless `include_store` is False (they walk
+        every chunk the store added, too much for every engine step)."""
+        store = self.store if include_store else None
         return CacheStats(self.tiers.resident.stats(), store.stats() if store is not None else None,
                           self.counters.copy())
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from skippy_cache.chunks import Chunk, chunk_key, seal, tail_key
-from skippy_cache.chunkstore import ChunkStore, Tier
+from skippy_cache.chunkstore import ChunkStore, Tier, slower
 from skippy_cache.diskchunks import DiskChunks
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities
 from skippy_cache.placement import ALIGN
@@ -199,14 +199,12 @@ class StateStore:
             tail = self.chunks.where(page.tail_key)
             if tail is None:
                 return run * self.chunk_tokens, _SOURCE[tier]
-            return page.token_count, _SOURCE[_slowest(tier, tail)]
+            return page.token_count, _SOURCE[slower(tier, tail)]
 
     def whole_logits(self, page_id: PageId) -> np.ndarray | None:
         with self._cv:
             page = self._pages.get(page_id)
-        if page is None or page.logits is None:
-            return None
-        return np.frombuffer(page.logits, dtype=np.float32).copy()
+        return _logits(page.logits) if page is not None else None
 
     def probe(self, chunks: Sequence[PrefixIdentity], whole: PrefixIdentity | None) -> tuple[int, Source, bool]:
         keys = self._chunk_keys(chunks)
@@ -216,7 +214,7 @@ class StateStore:
             if whole is not None and run == len(keys):
                 tail = self.chunks.where(tail_key(whole.page_id, self.layout_id))
                 if tail is not None:
-                    complete, tier = True, _slowest(tier, tail)
+                    complete, tier = True, slower(tier, tail)
         return run * self.chunk_tokens, _SOURCE[tier], complete
 
     # -- the engine's side: restores ------------------------------------------------------
@@ -232,8 +230,7 @@ class StateStore:
             page = self._pages.get(hit.page_id) if hit.page_id is not None else None
             pending = self._pending.get(hit.page_id) if hit.page_id is not None else None
         if page is not None and pending is not None:
-            logits = np.frombuffer(page.logits, np.float32).copy() if page.logits is not None else None
-            return Fetched(pending, page.token_count, hit.length, Source.RAM, logits)
+            return Fetched(pending, page.token_count, hit.length, Source.RAM, _logits(page.logits))
         n = hit.length
         if page is not None:
             keys = list(page.chunk_keys[: -(-n // c)])
@@ -270,7 +267,7 @@ class StateStore:
         cells = length
         logits = None
         if hit.whole and length == n and pieces[-1].logits is not None:
-            logits = np.frombuffer(pieces[-1].logits, np.float32).copy()
+            logits = _logits(pieces[-1].logits)
         elif hit.whole:
             # Without its logits a whole prompt is reused up to its last token, which is decoded.
             length = min(length, n - 1)
@@ -378,8 +375,9 @@ class StateStore:
                     self.chunks.book_on_disk(key, len(value))
 
 
-def _slowest(a: Tier | None, b: Tier | None) -> Tier | None:
-    return Tier.DISK if Tier.DISK in (a, b) else (a or b)
+def _logits(stored: bytes | None) -> np.ndarray | None:
+    """First-token logits as stored (float32 bytes), as an array the caller may keep."""
+    return np.frombuffer(stored, dtype=np.float32).copy() if stored is not None else None
 
 
 def open_store(config: EngineConfig, warm_state: bytes | bytearray) -> tuple[StateStore | None, str | None]:

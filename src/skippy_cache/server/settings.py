@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from skippy_cache.config import StageKvCacheConfig, parse_cache_mode
+from skippy_cache.placement import ALIGN
 from skippy_cache.runtime import EngineConfig
 
 #: Chat requests that give no max_tokens get at most this many (or what is left
@@ -139,9 +140,9 @@ def _cache_dir(name: str, text: str) -> Path | None:
 
 
 def _chunk_tokens(name: str, text: str) -> int:
-    value = _int(64)(name, text)
-    if value % 64:
-        raise SettingsError(f"{name}={value} must be a multiple of 64 (the record grid)")
+    value = _int(ALIGN)(name, text)
+    if value % ALIGN:
+        raise SettingsError(f"{name}={value} must be a multiple of {ALIGN} (the record grid)")
     return value
 
 
