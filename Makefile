@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run demo test bench clean
+.PHONY: setup run demo test bench clean redis-server
 
 setup: $(STAMP)
 
@@ -27,8 +27,19 @@ run: setup
 demo: setup
 	$(PY) -m skippy_cache demo
 
-test: setup
+test: setup redis-server
 	$(PY) -m pytest
+
+# The shared tier's tests run a real Redis server: Debian's redis-server package.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }; \
+	  else \
+	    echo "make test needs redis-server: install Debian's redis-server package (sudo apt-get install redis-server)"; \
+	    exit 1; \
+	  fi; }
 
 # skippy-cache against llama-cpp-python's server, all workloads (minutes); extra options via
 # BENCH_ARGS, e.g. make bench BENCH_ARGS='--url llama-server=http://127.0.0.1:8080'.

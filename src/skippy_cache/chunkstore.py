@@ -165,6 +165,13 @@ class ChunkStore:
         on_disk = self.disk is not None and self.disk.put(key, value)
         return self.add_written(key, nbytes, value, on_disk=on_disk)
 
+    def adopt(self, key: str, value: bytes) -> bool:
+        """Keep a verified value another process stored (the shared tier) in RAM; False if it cannot fit.
+
+        Not counted as added: this process did not compute it, so it counts in no dedup figure.
+        """
+        return self._ram_put(key, value)
+
     def ram_value(self, key: str) -> bytes | None:
         """The sealed value held in RAM (unverified; recency unchanged), for copying it to disk."""
         return self._ram.get(key)

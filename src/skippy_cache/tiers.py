@@ -48,6 +48,8 @@ class Source(str, enum.Enum):
     RESIDENT = "resident"
     RAM = "ram"
     DISK = "disk"
+    #: Chunks another replica wrote to the shared tier (fetched into RAM before the restore).
+    REMOTE = "remote"
 
 
 class Why(str, enum.Enum):
@@ -157,6 +159,8 @@ class CacheCounters:
     restore_tokens: int = 0
     restore_ms: float = 0.0
     disk_restores: int = 0
+    #: Restores that used chunks fetched from the shared tier.
+    remote_restores: int = 0
     #: Restores that failed (a chunk gone or quarantined, a state llama.cpp refused): served as misses.
     restore_failures: int = 0
     #: Restores skipped because their tier is measured slower than prefill.

@@ -181,3 +181,49 @@ def test_help_explains_every_option() -> None:
                  "--max-bytes", "--min-tokens", "--stride", "--record-limit", "--api-key", "--queue-size",
                  "--deterministic", "--config"):
         assert flag in out.stdout
+
+
+SHARED = "Shared tier test. " + " ".join(f"Rule {i} of the house applies to every guest." for i in range(60))
+
+
+@pytest.mark.model
+def test_two_servers_on_one_redis_share_a_prefix(tmp_path: Path, redis_with_password) -> None:
+    # One server has the password in its URL, the other reads it from a file; neither logs it.
+    password_file = tmp_path / "redis-password"
+    password_file.write_text("s3cret-pw\n")
+    bare = redis_with_password.url.replace(":s3cret-pw@", "")
+    common = ("--ctx-size", "2048", "--cache-dir", "none")
+    first = Served(*common, "--remote-cache", redis_with_password.url, env=clean_env())
+    second = Served(*common, "--remote-cache", bare, "--remote-cache-password-file", str(password_file),
+                    env=clean_env())
+    try:
+        first.wait_ready()
+        second.wait_ready()
+        cold = first.client().completions.create(model="skippy-cache", prompt=SHARED, max_tokens=1,
+                                                 temperature=0)
+        n = cold.usage.prompt_tokens
+        assert n > 512, n
+        # The first server shares its new entries at once; wait until its writer sent them.
+        deadline = time.monotonic() + 60
+        while not ((remote := first.cache()["remote"])["writes"] >= 3 and remote["pending_bytes"] == 0):
+            assert time.monotonic() < deadline, f"never written to the shared tier: {remote}"
+            time.sleep(0.1)
+
+        again = second.client().completions.create(model="skippy-cache", prompt=SHARED, max_tokens=1,
+                                                   temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens == n
+        said = again.model_extra["skippy_cache"]
+        assert said["source"] == "remote" and said["matched_tokens"] == n
+        assert again.choices[0].text == cold.choices[0].text  # sampled from the stored logits
+        report = second.cache()
+        assert report["remote"]["up"] and report["remote"]["hits"] >= 3
+        assert report["counters"]["remote_restores"] == 1
+        metrics = httpx.get(f"{second.url}/metrics", timeout=10).text
+        assert "skippy_remote_hits_total 3.0" in metrics
+        assert "skippy_remote_round_trip_seconds_bucket" in metrics
+    finally:
+        first.stop()
+        second.stop()
+    for server in (first, second):
+        assert "s3cret" not in server.text, "a credential reached the log"
+        assert f"shared redis://127.0.0.1:{redis_with_password.port}/0" in server.text

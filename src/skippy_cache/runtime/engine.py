@@ -14,6 +14,10 @@ A step is schedule -> decode -> post-process:
 - sample, stream, record finished prompts into the cache, free finished lanes,
   and demote entries that sat idle.
 
+With a shared tier (remote.py), `submit` hands a request to a prefetch
+worker first, which brings the prompt's chunks that only the shared tier holds
+into RAM and then queues it: the engine thread never waits on the network.
+
 Callers (HTTP handlers, tests, benchmarks) only `submit` and receive events,
 and read `info` and `stats()`.
 """
@@ -27,7 +31,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TypeVar
 
@@ -66,6 +70,9 @@ from skippy_cache.tiers import CacheTiers
 log = logging.getLogger("skippy_cache.engine")
 
 T = TypeVar("T")
+
+#: Requests prefetching from the shared tier at once; more wait for a worker.
+_PREFETCH_WORKERS = 4
 
 
 class Engine:
@@ -143,6 +150,7 @@ class Engine:
             cache_dir=config.cache_dir if store is not None and store.chunks.disk is not None else None,
             disk_cache_bytes=config.disk_cache_bytes,
             chunk_tokens=config.chunk_tokens,
+            remote_url=store.remote.url if store is not None and store.remote is not None else None,
             store_note=store_note,
             idle_tokens=config.idle_tokens,
             max_queue=config.max_queue,
@@ -159,6 +167,12 @@ class Engine:
         self._cached_tokens = 0
         self.invariant_failures: list[str] = []
         self._outbox: list[tuple[EventSink, DoneEvent]] = []
+        #: With a shared tier: workers that prefetch a request's chunks before it is queued,
+        #: and the requests they hold (counted against the queue's size).
+        self._prefetch = (
+            ThreadPoolExecutor(_PREFETCH_WORKERS, thread_name_prefix="skippy-prefetch") if self.cache.shares else None
+        )
+        self._prefetching: set[RequestHandle] = set()
         self._publish()
         self._thread: threading.Thread | None = None
         if start:
@@ -182,12 +196,30 @@ class Engine:
         """Queue a request; events arrive on `sink` from the engine thread."""
         self.validate(request)
         handle = RequestHandle(request)
+        waiting = Waiting(handle, sink, time.perf_counter())
         with self._cv:
             if self._closing:
                 raise EngineClosedError("the engine is shutting down")
-            self.scheduler.enqueue(Waiting(handle, sink, time.perf_counter()))
-            self._cv.notify()
+            if self._prefetch is None:
+                self.scheduler.enqueue(waiting, also_waiting=len(self._prefetching))
+                self._cv.notify()
+                return handle
+            self.scheduler.check_room(len(self._prefetching))
+            self._prefetching.add(handle)
+        self._prefetch.submit(self._prefetch_then_queue, waiting)
         return handle
+
+    def _prefetch_then_queue(self, waiting: Waiting) -> None:
+        """A prefetch worker: fetch what only the shared tier holds, then queue the request (already
+        counted against the queue's size at submit), whatever happened."""
+        try:
+            waiting.prefetched = self.cache.prefetch(waiting.handle.request)
+        except Exception:  # noqa: BLE001 - the request goes on without the shared tier
+            log.error("prefetch from the shared tier failed:\n%s", traceback.format_exc())
+        with self._cv:
+            self._prefetching.discard(waiting.handle)
+            self.scheduler.waiting.append(waiting)
+            self._cv.notify()
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> Completion:
         """Submit and wait (tests, benchmarks, the demo)."""
@@ -250,13 +282,14 @@ class Engine:
         store = self.cache.store
         if store is None:
             return snapshot
-        return replace(snapshot, cache=replace(snapshot.cache, store=store.stats()))
+        remote = store.remote.stats() if store.remote is not None else None
+        return replace(snapshot, cache=replace(snapshot.cache, store=store.stats()), remote=remote)
 
     def _publish(self) -> None:
         """Engine thread only: the books are not safe to read while a step runs."""
         with self._cv:
             lanes = len(self.scheduler.lanes)
-            queue_depth = len(self.scheduler.waiting)
+            queue_depth = len(self.scheduler.waiting) + len(self._prefetching)
             reserved = self.scheduler.reserved_cells
         self._snapshot = EngineStats(
             lanes_total=self.config.lanes,
@@ -281,9 +314,13 @@ class Engine:
             self._closing = True
             if not drain:
                 self.scheduler.cancel_all()
+                for handle in self._prefetching:
+                    handle.cancel()
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._prefetch is not None:
+            self._prefetch.shutdown(wait=True)
         if self._thread is None or not self._thread.is_alive():
             if self.cache.store is not None:
                 self.cache.store.close()
@@ -295,15 +332,17 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while self.scheduler.idle and not self._calls and not self._closing and not self.cache.idle_work_left:
+                # Closing waits for requests still prefetching: they were accepted.
+                while (self.scheduler.idle and not self._calls and not self.cache.persist_left
+                       and not (self._closing and not self._prefetching)):
                     self._cv.wait()
-                if self._closing and self.scheduler.idle and not self._calls:
+                if self._closing and self.scheduler.idle and not self._calls and not self._prefetching:
                     return
                 idle = self.scheduler.idle
             self._run_calls()
             if idle:
                 # No request runs: time for work that must never hold up a decode.
-                self.cache.idle_work()
+                self.cache.persist_one()
                 self._publish()
                 continue
             try:
@@ -361,6 +400,9 @@ class Engine:
         for item in planned:
             self._after_decode(item)
         self.cache.shed_idle()
+        if self.cache.shares:
+            # New entries reach the shared tier while this replica still holds them.
+            self.cache.persist_one()
         if self.config.check_invariants:
             self._check_invariants()
         return True
@@ -392,6 +434,7 @@ class Engine:
             stream=TextStream(request.stop),
             reserve=admission.reserve,
             t_submit=waiting.t_submit,
+            prefetched=waiting.prefetched,
         )
         with self._cv:
             self.scheduler.start(lane)

@@ -13,6 +13,7 @@ from skippy_cache.config import (
     StageKvCacheMode,
 )
 from skippy_cache.runtime.gguf_info import GgufInfo
+from skippy_cache.runtime.remote import RemoteConfig, RemoteStats
 from skippy_cache.runtime.steering import PlacementStats
 from skippy_cache.tiers import CacheStats
 
@@ -71,6 +72,8 @@ class EngineConfig:
     #: Exports waiting for the store's writer, at most (past it an entry that
     #: leaves the pool is dropped rather than make the engine wait).
     max_pending_bytes: int = 512 << 20
+    #: The store's shared tier on a Redis/Valkey server (None: none). Needs the RAM tier.
+    remote: RemoteConfig | None = None
     #: With a store: an entry unused while the pool decodes this many
     #: tokens is demoted. A resident cell costs every decoded token attention
     #: time, and a restore costs a copy per cell; past this many tokens an idle
@@ -104,6 +107,8 @@ class EngineInfo:
     cache_dir: Path | None
     disk_cache_bytes: int
     chunk_tokens: int
+    #: The shared tier's URL without credentials (None: none).
+    remote_url: str | None
     #: Why there is no store although one was configured (e.g. a state format we cannot cut).
     store_note: str | None
     idle_tokens: int
@@ -128,3 +133,5 @@ class EngineStats:
     requests_done: int
     prompt_tokens: int
     cached_tokens: int
+    #: The shared tier's figures (None: no shared tier), read when asked for.
+    remote: RemoteStats | None = None

@@ -12,6 +12,7 @@ import numpy as np
 from skippy_cache.identity import PrefixIdentity
 from skippy_cache.runtime.native import Sampler
 from skippy_cache.runtime.requests import EventSink, GenerationRequest, RequestHandle, RequestStats
+from skippy_cache.runtime.remote import Prefetched
 from skippy_cache.runtime.textstream import TextStream
 
 
@@ -64,6 +65,8 @@ class Lane:
     cache_source: str = "none"
     miss_reason: str | None = None
     restore_ms: float = 0.0
+    #: What a prefetch brought from the shared tier before the request was queued (None: none asked).
+    prefetched: Prefetched | None = None
     #: Phase JOIN: the lane whose cells of positions [0, join_at) this one will share.
     leader: Lane | None = None
     join_at: int = 0

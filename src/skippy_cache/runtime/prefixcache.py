@@ -20,6 +20,11 @@ Entries leave the pool when a record's budget, a decode or idleness needs their
 cells; with a store their exact state is exported first (demotion) and kept as
 chunks in RAM and on disk (statestore.py). An entry reused while resident is
 exported too, when the engine is idle, so it outlives the process.
+
+With a shared tier (remote.py) every new entry is exported soon after it is
+recorded, one per engine step, so other replicas can restore it while this
+one still holds it resident; and `prefetch` brings a prompt's chunks that only
+the shared tier holds into RAM before its request is queued.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from skippy_cache.runtime.costs import RestoreCosts
 from skippy_cache.runtime.lane import Lane
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.runtime.requests import GenerationRequest
+from skippy_cache.runtime.remote import Prefetched
 from skippy_cache.runtime.statestore import StateStore
 from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why
 
@@ -75,7 +81,8 @@ class PrefixCache:
         self.costs = RestoreCosts()
         #: Resident pages' space and tokens: what their chunks are named by when they leave.
         self._entries: dict[PageId, tuple[Hashable, list[int]]] = {}
-        #: Resident pages reused since they were recorded, waiting for an idle engine to export them.
+        #: Resident pages waiting to be exported: reused ones (for an idle engine), and with a
+        #: shared tier every new one (one per step).
         self._to_persist: dict[PageId, None] = {}
         #: Resident pages reused at least once: their chunks belong on disk when they leave.
         self._reused: set[PageId] = set()
@@ -99,6 +106,27 @@ class PrefixCache:
             lane.prompt_identity = prefix_identity(whole_key, request.tokens)
             if self.store is not None:
                 lane.chunk_ids = self.store.chunk_identities(lane.space, request.tokens[: lane.prefill_end])
+
+    @property
+    def shares(self) -> bool:
+        """New entries go to the shared tier as soon as they are recorded (one export per step)."""
+        return self.store is not None and self.store.remote is not None
+
+    def prefetch(self, request: GenerationRequest) -> Prefetched | None:
+        """Bring the chunks of the request's prompt that only the shared tier holds into RAM.
+
+        Called on a prefetch worker before the request is queued, so the
+        engine thread never waits on the network. The names are the ones
+        `name` gives the lane (pure hashing).
+        """
+        store = self.store
+        if store is None or store.remote is None or self.on_grid or not (self.mode.looks_up and request.lookup):
+            return None
+        if len(request.tokens) < max(self.tiers.min_tokens, 1):
+            return None
+        space = self.identity_key.with_namespace(request.namespace)
+        whole = prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
+        return store.prefetch(store.chunk_identities(space, request.tokens[:-1]), whole)
 
     def looks_up(self, lane: Lane) -> bool:
         """The lane may share cells computed for another request: a fast-mode lookup the request allows.
@@ -127,7 +155,7 @@ class PrefixCache:
         refuses) is dropped from the store and the lookup is planned again
         without it, so the lane gets the next best hit or a miss.
         """
-        while hit.source in (Source.RAM, Source.DISK):
+        while hit.source in (Source.RAM, Source.DISK, Source.REMOTE):
             if not self.costs.restore_wins(hit.source):
                 self.counters.restores_skipped += 1
                 hit = Hit.miss(Why.RESTORE_SLOWER)
@@ -151,6 +179,12 @@ class PrefixCache:
                 self._to_persist[hit.page_id] = None
         elif hit.page_id is not None and self.store is not None:
             self.store.make_durable(hit.page_id)
+        prefetched = lane.prefetched
+        if hit.source in (Source.RAM, Source.DISK) and prefetched is not None and prefetched.covers(hit.length):
+            # The restore read RAM, but the chunks came from another replica just before.
+            hit = replace(hit, source=Source.REMOTE)
+            lane.restore_ms += prefetched.ms
+            self.counters.remote_restores += 1
         lane.n_past = lane.cached_tokens = hit.length
         return hit
 
@@ -164,7 +198,7 @@ class PrefixCache:
         if hit.source is not Source.NONE:
             c.hits += 1
             c.hit_tokens += hit.length
-        if hit.source in (Source.RAM, Source.DISK) and hit.whole:
+        if hit.source in (Source.RAM, Source.DISK, Source.REMOTE) and hit.whole:
             # The whole entry came back: resident again, sharing the lane's
             # cells, so the next repeat is a `seq_cp`.
             self._record(lane, lane.prompt_identity, hit.logits)
@@ -253,6 +287,8 @@ class PrefixCache:
             self.tiers.file(prefix.page_id, lane.space, entry_tokens)
             self._entries[prefix.page_id] = (lane.space, entry_tokens)
         self.counters.records += 1
+        if self.shares:
+            self._to_persist[prefix.page_id] = None
         return True
 
     # -- the pool's cells ------------------------------------------------------------
@@ -385,14 +421,15 @@ class PrefixCache:
         self._forget_store_pages(store.prune())
 
     @property
-    def idle_work_left(self) -> bool:
+    def persist_left(self) -> bool:
         return bool(self._to_persist)
 
-    def idle_work(self) -> bool:
-        """Export one resident entry that was reused, so it outlives the process; False when none is left.
+    def persist_one(self) -> bool:
+        """Export one resident entry waiting for it (reused, or new with a shared tier); False when none is left.
 
-        Called by the engine only when no request runs: an export is a copy of
-        the entry's whole state, which must not hold up a decode.
+        The engine calls it when no request runs, and with a shared tier once
+        per step too: an export copies the entry's whole state, so it is
+        spread out rather than allowed to hold up a decode for long.
         """
         while self._to_persist:
             page_id = next(iter(self._to_persist))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from skippy_cache.runtime.lane import Lane
 from skippy_cache.runtime.requests import EventSink, QueueFullError, RequestHandle
+from skippy_cache.runtime.remote import Prefetched
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class Waiting:
     handle: RequestHandle
     sink: EventSink
     t_submit: float
+    prefetched: Prefetched | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +55,14 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.lanes
 
-    def enqueue(self, waiting: Waiting) -> None:
-        if len(self.waiting) >= self.max_queue:
-            raise QueueFullError(f"the queue is full ({self.max_queue} waiting)")
+    def enqueue(self, waiting: Waiting, *, also_waiting: int = 0) -> None:
+        """Queue a request; `also_waiting` counts requests accepted but not queued yet (prefetching)."""
+        self.check_room(also_waiting)
         self.waiting.append(waiting)
+
+    def check_room(self, also_waiting: int = 0) -> None:
+        if len(self.waiting) + also_waiting >= self.max_queue:
+            raise QueueFullError(f"the queue is full ({self.max_queue} waiting)")
 
     def admit(self) -> Admission | None:
         """Take the head of the queue if it may start now, with a lane id and its reservation."""

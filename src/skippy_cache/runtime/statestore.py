@@ -23,28 +23,38 @@ up a decode. Until the writer is done an entry's export stays in `pending`
 and a restore uses it directly. The queue is bounded in bytes: when the
 writer is that far behind, `put` refuses (the entry is lost, as if the store
 were full) rather than make the engine wait.
+
+The shared tier (remote.py, optional): every chunk the writer seals is also
+queued for a Redis/Valkey server, and `prefetch` brings the chunks of a
+prompt that only that server holds into RAM, verified, before the request
+reaches the engine; the plan then finds them like any chunk in RAM.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from skippy_cache.chunks import Chunk, chunk_key, seal, tail_key
+from skippy_cache.chunks import Chunk, ChunkError, chunk_key, seal, tail_key, unseal
 from skippy_cache.chunkstore import ChunkStore, Tier, slower
 from skippy_cache.diskchunks import DiskChunks
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities
 from skippy_cache.placement import ALIGN
 from skippy_cache.runtime.info import EngineConfig, default_host_cache_bytes
+from skippy_cache.runtime.remote import Prefetched, RemoteChunks
 from skippy_cache.stateformat import Layout, StateFormatError, join, parse, split
 from skippy_cache.tiers import Hit, Source, StoreStats
 
 log = logging.getLogger("skippy_cache.store")
+
+#: Chunks fetched from the shared tier per pipelined round trip.
+_FETCH_CHUNKS = 8
 
 _SOURCE = {Tier.RAM: Source.RAM, Tier.DISK: Source.DISK, None: Source.NONE}
 
@@ -76,7 +86,15 @@ class Fetched:
 
 
 class StateStore:
-    def __init__(self, chunks: ChunkStore, layout: Layout, chunk_tokens: int, *, max_pending_bytes: int) -> None:
+    def __init__(
+        self,
+        chunks: ChunkStore,
+        layout: Layout,
+        chunk_tokens: int,
+        *,
+        max_pending_bytes: int,
+        remote: RemoteChunks | None = None,
+    ) -> None:
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.chunks = chunks
@@ -84,6 +102,8 @@ class StateStore:
         self.layout_id = layout.fingerprint()
         self.chunk_tokens = chunk_tokens
         self.max_pending_bytes = max_pending_bytes
+        #: The shared tier, if any: written behind the writer, read by `prefetch`.
+        self.remote = remote
         self._pages: OrderedDict[PageId, Page] = OrderedDict()
         self._pending: dict[PageId, bytes | bytearray] = {}
         self._pending_bytes = 0
@@ -273,6 +293,71 @@ class StateStore:
             length = min(length, n - 1)
         return Fetched(payload, cells, length, source, logits)
 
+    # -- the shared tier -----------------------------------------------------------------
+
+    def prefetch(self, chunk_ids: Sequence[PrefixIdentity], whole: PrefixIdentity | None) -> Prefetched:
+        """Bring the chunks of a prompt that only the shared tier holds into RAM, verified.
+
+        Runs on a prefetch worker, never the engine thread: one pipelined round
+        trip asks which chunks past the local run the server holds, then the
+        run of them is fetched, each verified before it is kept. A missing or
+        refused chunk ends the run. The whole prompt's tail is asked for too,
+        and kept only when every chunk before it is held.
+        """
+        remote = self.remote
+        assert remote is not None
+        c = self.chunk_tokens
+        keys = self._chunk_keys(chunk_ids)
+        tail = tail_key(whole.page_id, self.layout_id) if whole is not None else None
+        with self._cv:
+            local, _ = self.chunks.run(keys)
+            tail_held = tail is None or tail in self.chunks
+        wanted = keys[local:]
+        if not tail_held:
+            wanted.append(tail)
+        nothing = Prefetched(local * c, 0, False, 0.0)
+        if not wanted:
+            return nothing
+        t0 = time.perf_counter()
+        present = remote.present(wanted)
+        if present is None:
+            return nothing
+        run = next((i for i, held in enumerate(present) if not held), len(present))
+        if run < len(keys) - local:
+            remote.missed()
+            wanted = wanted[:run]  # a chunk missing mid-run ends it, tail included
+        elif not tail_held and run < len(wanted):
+            remote.missed()
+            wanted = wanted[:-1]
+        kept = 0
+        for start in range(0, len(wanted), _FETCH_CHUNKS):
+            batch = wanted[start : start + _FETCH_CHUNKS]
+            values = remote.fetch(batch)
+            if values is None:
+                break
+            kept += self._adopt(batch, values)
+            if kept < start + len(batch):
+                break
+        whole_came = tail is not None and not tail_held and kept == len(wanted) and wanted[-1:] == [tail]
+        chunks = kept - whole_came
+        return Prefetched(local * c, chunks * c, whole_came, (time.perf_counter() - t0) * 1000)
+
+    def _adopt(self, keys: Sequence[str], values: Sequence[bytes | None]) -> int:
+        """Keep the leading fetched values that verify; how many were kept."""
+        assert self.remote is not None
+        for n, (key, value) in enumerate(zip(keys, values, strict=True)):
+            if value is None:
+                return n
+            try:
+                unseal(key, value)
+            except ChunkError as exc:
+                self.remote.rejected(key, exc)
+                return n
+            with self._cv:
+                if not self.chunks.adopt(key, value):
+                    return n
+        return len(keys)
+
     # -- stats and upkeep ----------------------------------------------------------------
 
     def stats(self) -> StoreStats:
@@ -302,6 +387,8 @@ class StateStore:
             self._closing = True
             self._cv.notify_all()
         self._writer.join(timeout)
+        if self.remote is not None:
+            self.remote.close(timeout)
         if self.chunks.disk is not None:
             self.chunks.disk.close()
 
@@ -362,6 +449,8 @@ class StateStore:
             on_disk = page.durable and disk is not None and disk.write_file(key, value)
             with self._cv:
                 self.chunks.add_written(key, len(rows), value, on_disk=on_disk)
+            if self.remote is not None:
+                self.remote.put(key, value)
 
     def _spill(self, page: Page) -> None:
         """Copy a page's chunks that are only in RAM to disk (the file writes without the lock)."""
@@ -381,7 +470,7 @@ def _logits(stored: bytes | None) -> np.ndarray | None:
 
 
 def open_store(config: EngineConfig, warm_state: bytes | bytearray) -> tuple[StateStore | None, str | None]:
-    """The store an engine's config asks for, and why there is none when one was asked for.
+    """The store an engine's config asks for, and why there is none (or no shared tier) when one was asked for.
 
     `warm_state` is any sequence's exported state: its layout is the one every
     chunk is cut in. A disk tier whose directory another process holds raises
@@ -389,7 +478,7 @@ def open_store(config: EngineConfig, warm_state: bytes | bytearray) -> tuple[Sta
     """
     ram = default_host_cache_bytes() if config.host_cache_bytes is None else config.host_cache_bytes
     if ram <= 0 and config.cache_dir is None:
-        return None, None
+        return None, _no_remote(config, "the RAM and disk tiers are off")
     if config.chunk_tokens <= 0 or config.chunk_tokens % ALIGN:
         raise ValueError(f"chunk_tokens must be a positive multiple of {ALIGN}, got {config.chunk_tokens}")
     try:
@@ -399,5 +488,19 @@ def open_store(config: EngineConfig, warm_state: bytes | bytearray) -> tuple[Sta
     disk = None
     if config.cache_dir is not None:
         disk = DiskChunks(config.cache_dir, config.disk_cache_bytes, reserve_bytes=config.disk_reserve_bytes)
-    store = StateStore(ChunkStore(ram, disk), layout, config.chunk_tokens, max_pending_bytes=config.max_pending_bytes)
-    return store, None
+    remote = None
+    note = None
+    if config.remote is not None and ram <= 0:
+        # Chunks from the shared tier land in RAM before a restore reads them.
+        note = _no_remote(config, "it needs the RAM tier (--host-cache-mib > 0)")
+    elif config.remote is not None:
+        remote = RemoteChunks(config.remote)
+    store = StateStore(ChunkStore(ram, disk), layout, config.chunk_tokens,
+                       max_pending_bytes=config.max_pending_bytes, remote=remote)
+    return store, note
+
+
+def _no_remote(config: EngineConfig, why: str) -> str | None:
+    if config.remote is None:
+        return None
+    return f"no shared tier: {why}"

@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skippy_cache.runtime import DoneEvent, Engine, FinishReason
+from skippy_cache.runtime.remote import RTT_BUCKETS, RemoteStats
 from skippy_cache.tiers import StoreStats
 
 #: Time to first token: tens of ms for a full cache hit, seconds for a cold
@@ -123,6 +125,9 @@ class EngineCollector(Collector):
                 "Lookups served by restoring a state from the store (also in skippy_cache_hits)", n.restores
             ),
             "skippy_cache_disk_restores": ("Restores that read at least one chunk from disk", n.disk_restores),
+            "skippy_cache_remote_restores": (
+                "Restores that used chunks fetched from the shared tier", n.remote_restores
+            ),
             "skippy_cache_restored_tokens": ("Tokens restored from the store", n.restore_tokens),
             "skippy_cache_restore_seconds": ("Time spent restoring from the store", n.restore_ms / 1000),
             "skippy_cache_demotions": ("Evicted entries whose state went to the store", n.demotions),
@@ -163,6 +168,7 @@ class EngineCollector(Collector):
         yield misses
         yield missed
         yield from _store_metrics(store)
+        yield from _remote_metrics(s.remote)
 
 
 def _store_metrics(store: StoreStats | None) -> Iterator[Metric]:
@@ -196,6 +202,40 @@ def _store_metrics(store: StoreStats | None) -> Iterator[Metric]:
     }
     for name, (doc, value) in counters.items():
         yield CounterMetricFamily(name, doc, value=value)
+
+
+def _remote_metrics(remote: RemoteStats | None) -> Iterator[Metric]:
+    """The shared tier (Redis/Valkey); nothing without one."""
+    if remote is None:
+        return
+    yield GaugeMetricFamily("skippy_remote_up", "1 while the shared tier answers, 0 while its breaker is open",
+                            value=int(remote.up))
+    yield GaugeMetricFamily("skippy_remote_pending_bytes", "Chunk bytes waiting to be written to the shared tier",
+                            value=remote.pending_bytes)
+    counters = {
+        "skippy_remote_lookups": ("Prompts looked up on the shared tier", remote.lookups),
+        "skippy_remote_lookups_skipped": ("Lookups skipped while the shared tier was down", remote.lookups_skipped),
+        "skippy_remote_hits": ("Chunks fetched from the shared tier and verified", remote.hits),
+        "skippy_remote_misses": ("Lookups whose run of chunks ended on one the shared tier lacked", remote.misses),
+        "skippy_remote_rejected": ("Fetched values that failed verification (never imported)", remote.rejected),
+        "skippy_remote_writes": ("Chunks written to the shared tier", remote.writes),
+        "skippy_remote_present": ("Chunks not sent: the shared tier held them already", remote.present),
+        "skippy_remote_dropped": ("Chunk writes dropped: queue full or the tier down", remote.dropped),
+        "skippy_remote_errors": ("Round trips that failed (timeouts, refused connections)", remote.errors),
+    }
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(name, doc, value=value)
+    moved = CounterMetricFamily("skippy_remote_bytes", "Bytes moved to and from the shared tier",
+                                labels=["direction"])
+    moved.add_metric(["in"], remote.bytes_in)
+    moved.add_metric(["out"], remote.bytes_out)
+    yield moved
+    buckets, total = [], 0
+    for bound, count in zip((*RTT_BUCKETS, float("inf")), remote.rtt_counts, strict=True):
+        total += count
+        buckets.append((floatToGoString(bound), total))
+    yield HistogramMetricFamily("skippy_remote_round_trip_seconds", "Round trips to the shared tier",
+                                buckets=buckets, sum_value=remote.rtt_sum)
 
 
 class RequestCounter:

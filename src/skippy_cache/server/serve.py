@@ -16,7 +16,7 @@ import uvicorn
 from skippy_cache.config import MIN_CTX_FOR_CELL_CAP
 from skippy_cache.runtime import CacheDirBusy, Engine
 from skippy_cache.server.app import create_app
-from skippy_cache.server.settings import ServerSettings
+from skippy_cache.server.settings import ServerSettings, SettingsError
 
 log = logging.getLogger("skippy_cache.server")
 
@@ -40,6 +40,10 @@ def _store_lines(engine: Engine) -> list[str]:
             f"            disk {disk.root}: {disk.max_bytes // (1 << 20)} MiB, found {disk.chunks} chunks "
             f"({disk.bytes // (1 << 20)} MiB), removed {disk.removed_at_start} unfinished files"
         )
+    if info.remote_url is not None:
+        lines.append(f"            shared {info.remote_url}: every new entry is shared; lookups before queueing")
+    elif info.store_note:
+        lines.append(f"            note: {info.store_note}")
     return lines
 
 
@@ -82,6 +86,9 @@ def serve(settings: ServerSettings) -> int:
     log.info("loading model %s", settings.model or "(default: SmolLM2-135M-Instruct Q4_1)")
     try:
         engine = Engine(settings.engine_config())
+    except SettingsError as exc:
+        log.error("%s", exc)
+        return 2
     except CacheDirBusy as exc:
         log.error("%s", exc)
         return 2

@@ -21,6 +21,7 @@ from pathlib import Path
 from skippy_cache.config import StageKvCacheConfig, parse_cache_mode
 from skippy_cache.placement import ALIGN
 from skippy_cache.runtime import EngineConfig
+from skippy_cache.runtime.remote import RemoteConfig, redact
 
 #: Chat requests that give no max_tokens get at most this many (or what is left
 #: of the context, if less). Unbounded, one chat request would reserve the whole
@@ -70,6 +71,12 @@ class ServerSettings:
     chunk_tokens: int = 256
     #: Demote an entry once the pool decodes this many tokens without using it (0: only under pressure).
     idle_tokens: int = 256
+    #: The store's shared tier: a Redis/Valkey URL (None: none).
+    remote_cache: str | None = field(default=None, repr=False)  # may hold a password
+    #: A file whose first line is the shared tier's password (overrides one in the URL).
+    remote_cache_password_file: Path | None = None
+    remote_cache_ttl: int = 24 * 3600
+    remote_cache_timeout_ms: int = 50
     cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
 
     def engine_config(self) -> EngineConfig:
@@ -86,7 +93,22 @@ class ServerSettings:
             disk_cache_bytes=self.disk_cache_mib * MIB,
             chunk_tokens=self.chunk_tokens,
             idle_tokens=self.idle_tokens,
+            remote=self.remote_config(),
         )
+
+    def remote_config(self) -> RemoteConfig | None:
+        """The shared tier's settings, its password read from its file (SettingsError if unreadable)."""
+        if self.remote_cache is None:
+            return None
+        password = None
+        if self.remote_cache_password_file is not None:
+            try:
+                lines = self.remote_cache_password_file.read_text().splitlines()
+            except OSError as exc:
+                raise SettingsError(f"--remote-cache-password-file: cannot read it ({exc.strerror})") from None
+            password = lines[0] if lines else ""
+        return RemoteConfig(url=self.remote_cache, password=password, ttl_s=self.remote_cache_ttl,
+                            timeout_ms=self.remote_cache_timeout_ms)
 
 
 # -- value parsers: (setting name as the user wrote it, text) -> value -------
@@ -137,6 +159,17 @@ def _cache_dir(name: str, text: str) -> Path | None:
     if text.strip().lower() in ("none", "off"):
         return None
     return _path(name, text)
+
+
+def _remote_url(name: str, text: str) -> str | None:
+    text = text.strip()
+    if text.lower() in ("", "none", "off"):
+        return None
+    scheme = text.partition("://")[0].lower()
+    if scheme not in ("redis", "rediss", "unix"):
+        # The URL may hold a password: the message shows it without.
+        raise SettingsError(f"{name}={redact(text)!r} must be a redis://, rediss:// or unix:// URL")
+    return text
 
 
 def _chunk_tokens(name: str, text: str) -> int:
@@ -227,6 +260,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("idle_tokens", "--idle-tokens", "SKIPPY_IDLE_TOKENS", "idle_tokens", _int(0),
            "move an entry from the pool to the store once the pool has decoded this many tokens without "
            "using it; 0: only when its cells are needed (default 256)", "N"),
+    Option("remote_cache", "--remote-cache", "SKIPPY_REMOTE_CACHE", "remote_cache", _remote_url,
+           "shared tier of the state store on a Redis or Valkey server, for replicas that share one "
+           "cache: redis://[user:pass@]host:port[/db], rediss:// (TLS) or unix:///path (default: none)",
+           "URL"),
+    Option("remote_cache_password_file", "--remote-cache-password-file", "SKIPPY_REMOTE_CACHE_PASSWORD_FILE",
+           "remote_cache_password_file", _path, "file whose first line is the shared tier's password", "FILE"),
+    Option("remote_cache_ttl", "--remote-cache-ttl", "SKIPPY_REMOTE_CACHE_TTL", "remote_cache_ttl", _int(1),
+           "seconds a chunk stays on the shared tier unless read again (default 86400)", "S"),
+    Option("remote_cache_timeout_ms", "--remote-cache-timeout-ms", "SKIPPY_REMOTE_CACHE_TIMEOUT_MS",
+           "remote_cache_timeout_ms", _int(1), "connect and lookup timeout of the shared tier: past it a "
+           "lookup is a miss and the tier is retried later (default 50)", "MS"),
     # The core's cache settings; the environment names are the core's own
     # (StageKvCacheConfig.from_env reads them).
     Option("cache.mode", "--cache-mode", "SKIPPY_KV_CACHE", "mode", _wrap(parse_cache_mode),

@@ -33,12 +33,15 @@ def cache_report(engine: Engine) -> dict:
             "disk_cache_bytes": info.disk_cache_bytes if info.cache_dir is not None else 0,
             "chunk_tokens": info.chunk_tokens,
             "idle_tokens": info.idle_tokens,
+            "remote_url": info.remote_url,
         },
         # Each request's lookup counted once: hits by tier, records, evictions, demotions.
         "counters": dataclasses.asdict(s.cache.counters),
         "resident": dataclasses.asdict(s.cache.resident),
         # The state store's pages and tiers; None without one (deterministic mode, or turned off).
         "store": dataclasses.asdict(s.cache.store) if s.cache.store is not None else None,
+        # The shared tier (Redis/Valkey): reachable or not, chunks in and out, round trips; None without one.
+        "remote": dataclasses.asdict(s.remote) if s.remote is not None else None,
         "pool": {
             "n_ctx": s.n_ctx,
             "used_cells": s.used_cells,

@@ -1,0 +1,359 @@
+"""The shared tier: the state store's chunks on a Redis or Valkey server, so every replica restores what any computed.
+
+Keys are `skippy:<format>:<chunk key>`: `<format>` is a short digest of the
+state format version, and the chunk key (chunks.py) already names the model,
+KV layout, namespace (`cache_salt`) and tokens, so replicas need no
+coordination: identical chunks from two replicas are one key and one value,
+and two tenants never share a key. Values are the sealed chunks, BLAKE3
+digest included; every value read is verified before it is imported, and one
+that fails is a miss (counted as `rejected`), never imported.
+
+The server evicts: run it with `maxmemory` and `allkeys-lru` (or LFU), and
+every key gets a TTL (`ttl_s`, renewed by each read). A chunk missing in the
+middle of a run ends the run.
+
+Threads: nothing here runs on the engine thread. Reads run on the caller's
+thread (the engine's prefetch workers) and are bounded by small socket
+timeouts; writes are queued (`put`) and sent in pipelined batches by a
+writer thread, and the queue drops rather than blocks when it is full. A
+timeout or a refused connection opens the breaker: until it retries, reads
+answer "nothing" at once and writes are dropped; the log says once that the
+tier is down and once that it is back.
+
+Credentials never reach the log or the stats: the URL is shown without its
+user info.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from blake3 import blake3
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from skippy_cache.stateformat import FORMAT_VERSION
+
+log = logging.getLogger("skippy_cache.remote")
+
+#: Round-trip time buckets of the latency histogram, in seconds.
+RTT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+#: Chunks a writer batch sends in one pipeline at most.
+_BATCH_CHUNKS = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteConfig:
+    #: `redis://[user:password@]host:port[/db]`, `rediss://` (TLS) or `unix:///path/to.sock`.
+    #: Out of the repr, as the password: a config that gets logged must not leak them.
+    url: str = field(repr=False)
+    #: Overrides a password in the URL (read from `--remote-cache-password-file`).
+    password: str | None = field(default=None, repr=False)
+    #: Seconds a key lives unless read again (each read renews it).
+    ttl_s: int = 24 * 3600
+    #: Connect and lookup timeout: a lookup waits this long at most before it is a miss.
+    timeout_ms: float = 50.0
+    #: Timeout of a transfer (fetching or writing chunks of several MiB each).
+    transfer_timeout_ms: float = 2000.0
+    #: Chunks waiting for the writer, at most; past it new writes are dropped.
+    max_pending_bytes: int = 256 << 20
+    #: Seconds between retries while the server is down.
+    retry_s: float = 5.0
+    prefix: str = "skippy"
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteStats:
+    url: str
+    up: bool
+    #: Lookups that asked the server, and those skipped because the breaker was open.
+    lookups: int
+    lookups_skipped: int
+    #: Chunks fetched and verified; chunks looked up and not found; values that failed verification.
+    hits: int
+    misses: int
+    rejected: int
+    bytes_in: int
+    bytes_out: int
+    #: Chunks written; chunks not sent because the server held them already; writes dropped
+    #: (queue full or server down).
+    writes: int
+    present: int
+    dropped: int
+    pending_bytes: int
+    #: Failed round trips (timeouts, refused connections, protocol errors).
+    errors: int
+    #: Round trips per `RTT_BUCKETS` bucket (not cumulative; one more for the rest), their sum in seconds.
+    rtt_counts: tuple[int, ...]
+    rtt_sum: float
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetched:
+    """What `prefetch` brought from the shared tier for one prompt."""
+
+    #: Leading tokens whose chunks were held here already; the shared tier's run starts after them.
+    local_tokens: int
+    #: Tokens of the chunks brought into RAM from the shared tier (0: none).
+    tokens: int
+    #: The whole prompt's tail (with its first-token logits) came too.
+    whole: bool
+    #: Time the lookup and the transfer took.
+    ms: float
+
+    def covers(self, length: int) -> bool:
+        """A hit of `length` tokens uses chunks from the shared tier."""
+        return (self.tokens > 0 or self.whole) and length > self.local_tokens
+
+
+def redact(url: str) -> str:
+    """The URL without user or password, for logs and stats."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
+
+
+class Breaker:
+    """Down after a failure, retried every `retry_s`; logs each change of state once."""
+
+    def __init__(self, what: str, retry_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.what = what
+        self.retry_s = retry_s
+        self.clock = clock
+        self.up = True
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        """May a round trip be tried now? While down, one caller per `retry_s` gets to try."""
+        with self._lock:
+            if self.up:
+                return True
+            now = self.clock()
+            if now < self._retry_at:
+                return False
+            self._retry_at = now + self.retry_s
+            return True
+
+    def succeeded(self) -> None:
+        with self._lock:
+            if self.up:
+                return
+            self.up = True
+        log.warning("%s is back", self.what)
+
+    def failed(self, error: Exception) -> None:
+        with self._lock:
+            self._retry_at = self.clock() + self.retry_s
+            if not self.up:
+                return
+            self.up = False
+        log.warning("%s is down (%s: %s); requests go on without it, retrying every %g s",
+                    self.what, type(error).__name__, error, self.retry_s)
+
+
+class RemoteChunks:
+    """Sealed chunks on a Redis/Valkey server: pipelined lookups and reads, write-behind writes."""
+
+    def __init__(self, config: RemoteConfig) -> None:
+        self.config = config
+        self.url = redact(config.url)
+        digest = blake3(FORMAT_VERSION.encode()).hexdigest(length=4)
+        self._prefix = f"{config.prefix}:{digest}:"
+        self.breaker = Breaker(f"remote cache {self.url}", config.retry_s)
+        self._lookup = self._client(config.timeout_ms)
+        self._transfer = self._client(config.transfer_timeout_ms)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._queue: deque[tuple[str, bytes]] = deque()
+        self._queued: set[str] = set()
+        self._pending_bytes = 0
+        self._busy = False
+        self._closing = False
+        self._counts = dict.fromkeys(
+            ("lookups", "lookups_skipped", "hits", "misses", "rejected", "bytes_in", "bytes_out",
+             "writes", "present", "dropped", "errors"), 0)
+        self._rtt = [0] * (len(RTT_BUCKETS) + 1)
+        self._rtt_sum = 0.0
+        self._writer = threading.Thread(target=self._write_loop, name="skippy-remote-writer", daemon=True)
+        self._writer.start()
+
+    def _client(self, timeout_ms: float) -> redis.Redis:
+        # No retries inside the client: a retry would multiply the timeout a
+        # lookup may take; the breaker decides when to try again.
+        return redis.Redis.from_url(
+            self.config.url,
+            password=self.config.password,
+            socket_timeout=timeout_ms / 1000,
+            socket_connect_timeout=timeout_ms / 1000,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+
+    def name(self, key: str) -> str:
+        """The server's key for chunk `key`."""
+        return self._prefix + key
+
+    # -- reads (the caller's thread) -------------------------------------------------------
+
+    def present(self, keys: Sequence[str]) -> list[bool] | None:
+        """Which of `keys` the server holds, in one pipelined round trip; None if it could not say."""
+        if not keys:
+            return []
+        if not self.breaker.allow():
+            self._count(lookups_skipped=1)
+            return None
+        pipe = self._lookup.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self.name(key))
+        self._count(lookups=1)
+        answers = self._round_trip(pipe)
+        return None if answers is None else [bool(n) for n in answers]
+
+    def fetch(self, keys: Sequence[str]) -> list[bytes | None] | None:
+        """The values of `keys` (None where the server has none), each key's TTL renewed; None on failure.
+
+        The values are NOT verified here: the caller unseals each before use
+        and reports a failure with `rejected`.
+        """
+        if not keys:
+            return []
+        if not self.breaker.allow():
+            self._count(lookups_skipped=1)
+            return None
+        pipe = self._transfer.pipeline(transaction=False)
+        for key in keys:
+            pipe.getex(self.name(key), ex=self.config.ttl_s)
+        values = self._round_trip(pipe)
+        if values is None:
+            return None
+        found = [v for v in values if v is not None]
+        self._count(hits=len(found), misses=len(values) - len(found), bytes_in=sum(len(v) for v in found))
+        return values
+
+    def missed(self, n: int = 1) -> None:
+        """Chunks a lookup asked about that the server did not hold."""
+        self._count(misses=n)
+
+    def rejected(self, key: str, error: Exception) -> None:
+        """A fetched value failed verification: counted, logged, never imported."""
+        self._count(rejected=1, hits=-1)
+        log.warning("remote cache: refused chunk %s: %s", key, error)
+
+    # -- writes (any thread queues; the writer sends) --------------------------------------
+
+    def put(self, key: str, value: bytes) -> bool:
+        """Queue a sealed chunk for the server; False (dropped) if the queue is full or the tier is down."""
+        with self._cv:
+            if key in self._queued:
+                return True
+            if not self.breaker.up or self._pending_bytes + len(value) > self.config.max_pending_bytes:
+                self._counts["dropped"] += 1
+                return False
+            self._queue.append((key, value))
+            self._queued.add(key)
+            self._pending_bytes += len(value)
+            self._cv.notify()
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write was sent (or dropped); False on timeout (tests, shutdown)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                batch: list[tuple[str, bytes]] = []
+                while self._queue and len(batch) < _BATCH_CHUNKS:
+                    batch.append(self._queue.popleft())
+                self._busy = True
+            try:
+                self._send(batch)
+            finally:
+                with self._cv:
+                    for key, value in batch:
+                        self._queued.discard(key)
+                        self._pending_bytes -= len(value)
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _send(self, batch: list[tuple[str, bytes]]) -> None:
+        """Write a batch: one round trip asks which keys the server holds (their TTL renewed), one sends the rest."""
+        if not self.breaker.allow():
+            self._count(dropped=len(batch))
+            return
+        pipe = self._transfer.pipeline(transaction=False)
+        for key, _ in batch:
+            pipe.expire(self.name(key), self.config.ttl_s)
+        held = self._round_trip(pipe)
+        if held is None:
+            self._count(dropped=len(batch))
+            return
+        missing = [(key, value) for (key, value), renewed in zip(batch, held, strict=True) if not renewed]
+        self._count(present=len(batch) - len(missing))
+        if not missing:
+            return
+        pipe = self._transfer.pipeline(transaction=False)
+        for key, value in missing:
+            pipe.set(self.name(key), value, ex=self.config.ttl_s)
+        if self._round_trip(pipe) is None:
+            self._count(dropped=len(missing))
+            return
+        self._count(writes=len(missing), bytes_out=sum(len(v) for _, v in missing))
+
+    # -- books -----------------------------------------------------------------------------
+
+    def _round_trip(self, pipe: redis.client.Pipeline) -> list | None:
+        t0 = time.perf_counter()
+        try:
+            answers = pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            self._count(errors=1)
+            self.breaker.failed(exc)
+            return None
+        finally:
+            pipe.reset()
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self._rtt[bisect.bisect_left(RTT_BUCKETS, seconds)] += 1
+            self._rtt_sum += seconds
+        self.breaker.succeeded()
+        return answers
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def stats(self) -> RemoteStats:
+        with self._lock:
+            return RemoteStats(url=self.url, up=self.breaker.up, pending_bytes=self._pending_bytes,
+                               rtt_counts=tuple(self._rtt), rtt_sum=self._rtt_sum, **self._counts)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is queued (up to `timeout`), stop the writer, close the connections."""
+        self.flush(timeout)
+        with self._cv:
+            self._closing = True
+            self._queue.clear()
+            self._cv.notify_all()
+        self._writer.join(timeout)
+        self._lookup.close()
+        self._transfer.close()

@@ -1,0 +1,166 @@
+"""The shared tier on a real Redis server, with real engines: what one engine computed, another restores.
+
+Each engine here stands for a replica: its own pool, RAM tier and (no) disk
+tier, one Redis between them.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from fastmode import assert_logits_close
+from prompts import make_tokens
+
+from skippy_cache.runtime import Engine, EngineConfig, GenerationRequest
+from skippy_cache.runtime.remote import RemoteConfig
+
+pytestmark = pytest.mark.timeout(600)
+
+CHUNK = 256
+
+
+def replica(url: str, **remote: object) -> Engine:
+    config = RemoteConfig(url=url, retry_s=0.2, **remote)  # type: ignore[arg-type]
+    return Engine(EngineConfig(ctx_size=4096, lanes=2, host_cache_bytes=1 << 30, cache_dir=None,
+                               chunk_tokens=CHUNK, remote=config, check_invariants=True))
+
+
+@pytest.fixture
+def replicas(redis_server) -> Iterator[list[Engine]]:
+    engines = [replica(redis_server.url), replica(redis_server.url)]
+    yield engines
+    for engine in engines:
+        engine.close(drain=False)
+
+
+def shared(engine: Engine, timeout: float = 60.0) -> None:
+    """Until the engine's entries reached the server: exported, cut, written behind."""
+    store = engine.cache.store
+    assert store is not None and store.remote is not None
+    deadline = time.monotonic() + timeout
+    while engine.cache.persist_left or not store.drain(0.05) or not store.remote.flush(0.05):
+        assert time.monotonic() < deadline, "the engine's entries never reached the shared tier"
+        time.sleep(0.05)
+
+
+def ask(engine: Engine, tokens: list[int], **kw: object):
+    return engine.generate(GenerationRequest(tokens=tokens, max_tokens=2, keep_first_logits=True, **kw),
+                           timeout=300)
+
+
+def test_a_prompt_one_replica_computed_is_restored_by_another(replicas, redis_server):
+    a, b = replicas
+    prompt = make_tokens(a, 700, seed=1)
+    cold = ask(a, prompt)
+    assert cold.stats.cache_source == "none"
+    shared(a)
+    # Two chunks of 256 tokens, the prompt's tail, and the tail of prompt + reply (its chunks are the same).
+    assert redis_server.client().dbsize() == 4
+
+    # A prompt that shares 600 tokens: two chunks from the server, the rest prefilled.
+    other = prompt[:600] + make_tokens(a, 100, seed=2)
+    partial = ask(b, other)
+    assert partial.stats.cache_source == "remote"
+    assert partial.stats.cached_tokens == 2 * CHUNK
+    reference = ask(a, other, lookup=False, record=False)
+    assert_logits_close(partial.first_logits, reference.first_logits, "first-token logits after a remote restore")
+
+    # The same prompt again: its chunks are here now, its tail (with the logits) comes from the server.
+    repeat = ask(b, prompt)
+    assert repeat.stats.cache_source == "remote"
+    assert repeat.stats.cached_tokens == len(prompt)
+    # An exact repeat samples from the stored first-token logits: bit for bit.
+    assert np.array_equal(repeat.first_logits, cold.first_logits)
+    assert repeat.stats.restore_ms > 0
+    remote = b.stats().remote
+    assert remote is not None and remote.hits == 3 and remote.rejected == 0
+    assert b.stats().cache.counters.remote_restores == 2
+
+
+def test_a_tampered_value_is_refused(replicas, redis_server):
+    a, b = replicas
+    prompt = make_tokens(a, 700, seed=3)
+    ask(a, prompt)
+    shared(a)
+    client = redis_server.client()
+    # Flip one byte in the middle of the second chunk's value.
+    remote = a.cache.store.remote
+    ids = a.cache.store.chunk_identities(a.cache.identity_key.with_namespace(None), prompt[:-1])
+    second = remote.name(a.cache.store._chunk_keys(ids)[1])
+    value = bytearray(client.get(second))
+    value[len(value) // 2] ^= 0x01
+    client.set(second, bytes(value))
+
+    got = ask(b, prompt)
+    assert got.stats.cached_tokens == CHUNK  # the run ends at the chunk that failed
+    stats = b.stats().remote
+    assert stats is not None and stats.rejected == 1
+    # B computed that chunk itself since, and holds its own value, never the refused one.
+    held = b.cache.store.chunks.ram_value(a.cache.store._chunk_keys(ids)[1])
+    assert held != bytes(value), "a refused value was imported"
+
+
+def test_tenants_never_share(replicas, redis_server):
+    a, b = replicas
+    prompt = make_tokens(a, 700, seed=4)
+    ask(a, prompt, namespace="tenant-a")
+    shared(a)
+    other = ask(b, prompt, namespace="tenant-b")
+    assert other.stats.cached_tokens == 0 and other.stats.cache_source == "none"
+    same = ask(b, prompt, namespace="tenant-a")
+    assert same.stats.cache_source == "remote"
+
+
+def test_a_server_killed_mid_run_leaves_every_request_answered(redis_server):
+    engine = replica(redis_server.url)
+    try:
+        first = make_tokens(engine, 400, seed=5)
+        ask(engine, first)
+        shared(engine)
+        redis_server.kill()
+        for seed in range(6, 9):
+            done = ask(engine, make_tokens(engine, 300, seed=seed))
+            assert done.stats.completion_tokens == 2
+        stats = engine.stats().remote
+        assert stats is not None and not stats.up and stats.errors >= 1
+        # What the replica holds itself still serves.
+        assert ask(engine, first).stats.cached_tokens == len(first)
+    finally:
+        engine.close(drain=False)
+
+
+def test_a_server_that_is_not_there_costs_no_request():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    engine = replica(f"redis://127.0.0.1:{port}/0")
+    try:
+        t0 = time.perf_counter()
+        for seed in range(10, 13):
+            assert ask(engine, make_tokens(engine, 200, seed=seed)).stats.completion_tokens == 2
+        assert time.perf_counter() - t0 < 120  # a hang would hit the timeout; this is no timing claim
+        stats = engine.stats().remote
+        assert stats is not None and not stats.up and stats.hits == 0
+    finally:
+        engine.close(drain=False)
+
+
+def test_auth_in_the_url(redis_with_password):
+    engine = replica(redis_with_password.url)
+    wrong = replica(redis_with_password.url.replace("s3cret-pw", "wrong"))
+    try:
+        prompt = make_tokens(engine, 400, seed=14)
+        ask(engine, prompt)
+        shared(engine)
+        assert redis_with_password.client().dbsize() > 0
+        assert engine.stats().remote.up
+        assert ask(wrong, prompt).stats.cache_source == "none"
+        stats = wrong.stats().remote
+        assert not stats.up and "s3cret" not in stats.url and "wrong" not in stats.url
+    finally:
+        engine.close(drain=False)
+        wrong.close(drain=False)

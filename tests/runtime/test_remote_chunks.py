@@ -1,0 +1,120 @@
+"""The shared tier's network side on a real Redis server, without a model: writes, lookups, faults, the breaker."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from skippy_cache.chunks import Chunk, seal
+from skippy_cache.runtime.remote import Breaker, RemoteChunks, RemoteConfig, redact
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def value(key: str, n: int = 1000) -> bytes:
+    return seal(Chunk(key, 64, bytes(range(256)) * (n // 256 + 1)))
+
+
+def key(i: int) -> str:
+    return f"{i:032x}"
+
+
+@pytest.fixture
+def remote(redis_server):
+    chunks = RemoteChunks(RemoteConfig(url=redis_server.url, ttl_s=600, retry_s=0.1))
+    yield chunks
+    chunks.close()
+
+
+def test_written_behind_then_found_and_fetched(remote, redis_server):
+    for i in range(3):
+        assert remote.put(key(i), value(key(i)))
+    assert remote.flush(10)
+    assert remote.present([key(0), key(1), key(5), key(2)]) == [True, True, False, True]
+    got = remote.fetch([key(1), key(5)])
+    assert got == [value(key(1)), None]
+    stats = remote.stats()
+    assert (stats.writes, stats.hits, stats.bytes_out) == (3, 1, 3 * len(value(key(0))))
+    client = redis_server.client()
+    assert 0 < client.ttl(remote.name(key(0))) <= 600
+    # Names carry a prefix and the state format's digest, never bare chunk keys.
+    assert all(k.decode().startswith("skippy:") for k in client.keys())
+
+
+def test_a_chunk_the_server_holds_is_not_sent_again(remote, redis_server):
+    remote.put(key(7), value(key(7)))
+    remote.flush(10)
+    redis_server.client().expire(remote.name(key(7)), 5)
+    remote.put(key(7), value(key(7)))
+    remote.flush(10)
+    stats = remote.stats()
+    assert (stats.writes, stats.present) == (1, 1)
+    assert redis_server.client().ttl(remote.name(key(7))) > 5  # renewed, not rewritten
+
+
+def test_the_write_queue_drops_rather_than_grows(redis_server):
+    small, big = value(key(1)), value(key(2), 4000)
+    chunks = RemoteChunks(RemoteConfig(url=redis_server.url, max_pending_bytes=len(big) - 1))
+    try:
+        assert chunks.put(key(1), small)
+        assert not chunks.put(key(2), big)  # more than the queue may ever hold: dropped, not waited for
+        assert chunks.flush(10)
+        stats = chunks.stats()
+        assert (stats.writes, stats.dropped, stats.pending_bytes) == (1, 1, 0)
+    finally:
+        chunks.close()
+
+
+def test_a_server_that_goes_away_opens_the_breaker_and_comes_back(redis_server, caplog):
+    chunks = RemoteChunks(RemoteConfig(url=redis_server.url, retry_s=0.05))
+    caplog.set_level(logging.WARNING, logger="skippy_cache.remote")
+    try:
+        assert chunks.present([key(1)]) == [False]
+        redis_server.kill()
+        assert chunks.present([key(1)]) is None
+        assert not chunks.stats().up
+        assert chunks.present([key(1)]) is None  # breaker open: no round trip
+        assert chunks.stats().lookups_skipped >= 1
+        assert not chunks.put(key(1), value(key(1)))  # writes are dropped while down
+        redis_server.start()  # the same port again
+        deadline = time.monotonic() + 10
+        while chunks.present([key(1)]) is None:
+            assert time.monotonic() < deadline, "the tier never came back"
+            time.sleep(0.06)
+        assert chunks.stats().up
+    finally:
+        chunks.close()
+    messages = [r.getMessage() for r in caplog.records]
+    down = [m for m in messages if "is down" in m]
+    assert len(down) == 1, f"the log says once that the tier is down: {messages}"
+    assert str(redis_server.port) in down[0]
+    assert sum("is back" in m for m in messages) == 1
+
+
+def test_breaker_retries_once_per_interval_and_logs_each_change_once(caplog):
+    now = [0.0]
+    breaker = Breaker("remote cache x", retry_s=5, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="skippy_cache.remote")
+    assert breaker.allow()
+    breaker.failed(ConnectionError("refused"))
+    breaker.failed(ConnectionError("refused"))
+    assert not breaker.up and not breaker.allow()
+    now[0] = 5.0
+    assert breaker.allow()  # one trial
+    assert not breaker.allow()  # and only one per interval
+    breaker.succeeded()
+    breaker.succeeded()
+    assert breaker.up and breaker.allow()
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("is down" in m for m in messages) == 1
+    assert sum("is back" in m for m in messages) == 1
+
+
+def test_credentials_never_shown():
+    assert redact("redis://user:pw@host:6379/0") == "redis://host:6379/0"
+    assert redact("rediss://:pw@host/1") == "rediss://host/1"
+    assert redact("unix:///run/redis.sock") == "unix:///run/redis.sock"
+    config = RemoteConfig(url="redis://u:secret@h:1/0", password="other-secret")
+    assert "secret" not in repr(config)
