@@ -52,7 +52,7 @@ def settle(engine: Engine) -> None:
 def persist(engine: Engine) -> None:
     """Wait until the idle engine has exported every reused entry, and the writer has stored them."""
     deadline = time.monotonic() + 60
-    while engine.call(lambda: engine.cache.idle_work_left):
+    while engine.call(lambda: engine.cache.persist_left):
         assert time.monotonic() < deadline, "the idle engine never exported its reused entries"
         time.sleep(0.05)
     settle(engine)
