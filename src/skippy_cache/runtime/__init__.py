@@ -5,6 +5,7 @@ from skippy_cache.runtime.engine import Engine
 from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, available_cores
 from skippy_cache.runtime.gguf_info import GgufInfo, ModelNotFoundError, default_model_path, read_gguf_info
 from skippy_cache.runtime.native import SamplingParams
+from skippy_cache.runtime.remote import RTT_BUCKETS, RemoteConfig, RemoteStats, redact
 from skippy_cache.runtime.requests import (
     Completion,
     DoneEvent,
@@ -34,6 +35,9 @@ __all__ = [
     "GgufInfo",
     "ModelNotFoundError",
     "QueueFullError",
+    "RTT_BUCKETS",
+    "RemoteConfig",
+    "RemoteStats",
     "RequestError",
     "RequestHandle",
     "RequestStats",
@@ -42,4 +46,5 @@ __all__ = [
     "available_cores",
     "default_model_path",
     "read_gguf_info",
+    "redact",
 ]

@@ -16,8 +16,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from skippy_cache.runtime import DoneEvent, Engine, FinishReason
-from skippy_cache.runtime.remote import RTT_BUCKETS, RemoteStats
+from skippy_cache.runtime import RTT_BUCKETS, DoneEvent, Engine, FinishReason, RemoteStats
 from skippy_cache.tiers import StoreStats
 
 #: Time to first token: tens of ms for a full cache hit, seconds for a cold

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from skippy_cache.config import StageKvCacheConfig, parse_cache_mode
 from skippy_cache.placement import ALIGN
-from skippy_cache.runtime import EngineConfig
-from skippy_cache.runtime.remote import RemoteConfig, redact
+from skippy_cache.runtime import EngineConfig, RemoteConfig, redact
 
 #: Chat requests that give no max_tokens get at most this many (or what is left
 #: of the context, if less). Unbounded, one chat request would reserve the whole
