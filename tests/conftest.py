@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redisserver import RedisServer
+from redisserver import RedisClusterNodes, RedisServer
 
 
 @pytest.fixture
@@ -25,3 +25,10 @@ def redis_with_password(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path, password="s3cret-pw")
     yield server
     server.kill()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    cluster = RedisClusterNodes(tmp_path)
+    yield cluster
+    cluster.kill()

@@ -57,3 +57,59 @@ class RedisServer:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
+
+
+class RedisClusterNodes:
+    """A three-node Redis Cluster (no replicas) on free ports, made with `redis-cli --cluster create`."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.nodes: list[subprocess.Popen] = []
+        self.ports: list[int] = []
+        for i in range(3):
+            node_dir = workdir / f"node{i}"
+            node_dir.mkdir()
+            # The cluster bus gets a free port of its own: the default, port + 10000, may not exist.
+            port, bus = _free_port(), _free_port()
+            self.ports.append(port)
+            self.nodes.append(subprocess.Popen(
+                [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                 "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--cluster-port", str(bus)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        for port in self.ports:
+            _wait_for_ping(redis.Redis(host="127.0.0.1", port=port, socket_timeout=5))
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 30
+        while redis.Redis(port=self.ports[0]).cluster("info").get("cluster_state") != "ok":
+            assert time.monotonic() < deadline, "the cluster never became ok"
+            time.sleep(0.1)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def keys_per_node(self) -> list[int]:
+        return [redis.Redis(port=port).dbsize() for port in self.ports]
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
+            node.wait(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_ping(client: redis.Redis) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if client.ping():
+                return
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not answer PING"
+            time.sleep(0.02)

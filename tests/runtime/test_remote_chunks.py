@@ -118,3 +118,18 @@ def test_credentials_never_shown():
     assert redact("unix:///run/redis.sock") == "unix:///run/redis.sock"
     config = RemoteConfig(url="redis://u:secret@h:1/0", password="other-secret")
     assert "secret" not in repr(config)
+
+
+def test_a_cluster_spreads_the_chunks_over_its_nodes(redis_cluster):
+    chunks = RemoteChunks(RemoteConfig(url=redis_cluster.url, cluster=True))
+    try:
+        keys = [key(i) for i in range(30)]
+        for k in keys:
+            assert chunks.put(k, value(k))
+        assert chunks.flush(20)
+        assert chunks.stats().writes == 30
+        assert all(n > 0 for n in redis_cluster.keys_per_node()), redis_cluster.keys_per_node()
+        assert chunks.present([*keys, key(99)]) == [True] * 30 + [False]
+        assert chunks.fetch(keys[:10]) == [value(k) for k in keys[:10]]
+    finally:
+        chunks.close()

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from blake3 import blake3
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from skippy_cache.stateformat import FORMAT_VERSION
@@ -69,6 +70,8 @@ class RemoteConfig:
     #: Seconds between retries while the server is down.
     retry_s: float = 5.0
     prefix: str = "skippy"
+    #: The URL names one node of a Redis Cluster (or Valkey cluster): keys spread over its nodes.
+    cluster: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +177,9 @@ class RemoteChunks:
         digest = blake3(FORMAT_VERSION.encode()).hexdigest(length=4)
         self._prefix = f"{config.prefix}:{digest}:"
         self.breaker = Breaker(f"remote cache {self.url}", config.retry_s)
-        self._lookup = self._client(config.timeout_ms)
-        self._transfer = self._client(config.transfer_timeout_ms)
+        #: Clients by timeout (lookups, transfers), connected on first use: a cluster client
+        #: asks for the slot map when it is made, and a server that is down at start must not stop it.
+        self._clients: dict[float, redis.Redis | RedisCluster] = {}
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._queue: deque[tuple[str, bytes]] = deque()
@@ -191,17 +195,25 @@ class RemoteChunks:
         self._writer = threading.Thread(target=self._write_loop, name="skippy-remote-writer", daemon=True)
         self._writer.start()
 
-    def _client(self, timeout_ms: float) -> redis.Redis:
+    def _client(self, timeout_ms: float) -> redis.Redis | RedisCluster:
+        with self._lock:
+            client = self._clients.get(timeout_ms)
+        if client is not None:
+            return client
         # No retries inside the client: a retry would multiply the timeout a
         # lookup may take; the breaker decides when to try again.
-        return redis.Redis.from_url(
-            self.config.url,
-            password=self.config.password,
-            socket_timeout=timeout_ms / 1000,
-            socket_connect_timeout=timeout_ms / 1000,
-            retry=Retry(NoBackoff(), 0),
-            health_check_interval=0,
-        )
+        options: dict[str, object] = {
+            "password": self.config.password,
+            "socket_timeout": timeout_ms / 1000,
+            "socket_connect_timeout": timeout_ms / 1000,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        if self.config.cluster:
+            client = RedisCluster.from_url(self.config.url, **options)
+        else:
+            client = redis.Redis.from_url(self.config.url, health_check_interval=0, **options)
+        with self._lock:
+            return self._clients.setdefault(timeout_ms, client)
 
     def name(self, key: str) -> str:
         """The server's key for chunk `key`."""
@@ -216,11 +228,8 @@ class RemoteChunks:
         if not self.breaker.allow():
             self._count(lookups_skipped=1)
             return None
-        pipe = self._lookup.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(self.name(key))
         self._count(lookups=1)
-        answers = self._round_trip(pipe)
+        answers = self._round_trip(self.config.timeout_ms, [("exists", self.name(key)) for key in keys])
         return None if answers is None else [bool(n) for n in answers]
 
     def fetch(self, keys: Sequence[str]) -> list[bytes | None] | None:
@@ -234,10 +243,8 @@ class RemoteChunks:
         if not self.breaker.allow():
             self._count(lookups_skipped=1)
             return None
-        pipe = self._transfer.pipeline(transaction=False)
-        for key in keys:
-            pipe.getex(self.name(key), ex=self.config.ttl_s)
-        values = self._round_trip(pipe)
+        values = self._round_trip(self.config.transfer_timeout_ms,
+                                  [("getex", self.name(key), {"ex": self.config.ttl_s}) for key in keys])
         if values is None:
             return None
         found = [v for v in values if v is not None]
@@ -299,10 +306,8 @@ class RemoteChunks:
         if not self.breaker.allow():
             self._count(dropped=len(batch))
             return
-        pipe = self._transfer.pipeline(transaction=False)
-        for key, _ in batch:
-            pipe.expire(self.name(key), self.config.ttl_s)
-        held = self._round_trip(pipe)
+        held = self._round_trip(self.config.transfer_timeout_ms,
+                                [("expire", self.name(key), self.config.ttl_s) for key, _ in batch])
         if held is None:
             self._count(dropped=len(batch))
             return
@@ -310,26 +315,29 @@ class RemoteChunks:
         self._count(present=len(batch) - len(missing))
         if not missing:
             return
-        pipe = self._transfer.pipeline(transaction=False)
-        for key, value in missing:
-            pipe.set(self.name(key), value, ex=self.config.ttl_s)
-        if self._round_trip(pipe) is None:
+        sets = [("set", self.name(key), value, {"ex": self.config.ttl_s}) for key, value in missing]
+        if self._round_trip(self.config.transfer_timeout_ms, sets) is None:
             self._count(dropped=len(missing))
             return
         self._count(writes=len(missing), bytes_out=sum(len(v) for _, v in missing))
 
     # -- books -----------------------------------------------------------------------------
 
-    def _round_trip(self, pipe: redis.client.Pipeline) -> list | None:
+    def _round_trip(self, timeout_ms: float, commands: list[tuple]) -> list | None:
+        """Send `commands` (name, args..., optional keyword dict) in one pipeline; their answers, or
+        None after a failure (counted, and reported to the breaker)."""
         t0 = time.perf_counter()
         try:
+            # A cluster pipeline splits the commands by slot, one round trip per node.
+            pipe = self._client(timeout_ms).pipeline(transaction=False)
+            for name, *args in commands:
+                kwargs = args.pop() if args and isinstance(args[-1], dict) else {}
+                getattr(pipe, name)(*args, **kwargs)
             answers = pipe.execute()
         except (redis.RedisError, OSError) as exc:
             self._count(errors=1)
             self.breaker.failed(exc)
             return None
-        finally:
-            pipe.reset()
         seconds = time.perf_counter() - t0
         with self._lock:
             self._rtt[bisect.bisect_left(RTT_BUCKETS, seconds)] += 1
@@ -355,5 +363,7 @@ class RemoteChunks:
             self._queue.clear()
             self._cv.notify_all()
         self._writer.join(timeout)
-        self._lookup.close()
-        self._transfer.close()
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()

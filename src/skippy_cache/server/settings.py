@@ -76,6 +76,8 @@ class ServerSettings:
     remote_cache_password_file: Path | None = None
     remote_cache_ttl: int = 24 * 3600
     remote_cache_timeout_ms: int = 50
+    #: The URL names one node of a Redis Cluster or Valkey cluster.
+    remote_cache_cluster: bool = False
     cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
 
     def engine_config(self) -> EngineConfig:
@@ -107,7 +109,7 @@ class ServerSettings:
                 raise SettingsError(f"--remote-cache-password-file: cannot read it ({exc.strerror})") from None
             password = lines[0] if lines else ""
         return RemoteConfig(url=self.remote_cache, password=password, ttl_s=self.remote_cache_ttl,
-                            timeout_ms=self.remote_cache_timeout_ms)
+                            timeout_ms=self.remote_cache_timeout_ms, cluster=self.remote_cache_cluster)
 
 
 # -- value parsers: (setting name as the user wrote it, text) -> value -------
@@ -270,6 +272,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("remote_cache_timeout_ms", "--remote-cache-timeout-ms", "SKIPPY_REMOTE_CACHE_TIMEOUT_MS",
            "remote_cache_timeout_ms", _int(1), "connect and lookup timeout of the shared tier: past it a "
            "lookup is a miss and the tier is retried later (default 50)", "MS"),
+    Option("remote_cache_cluster", "--remote-cache-cluster", "SKIPPY_REMOTE_CACHE_CLUSTER", "remote_cache_cluster",
+           _bool, "the --remote-cache URL names one node of a Redis Cluster or Valkey cluster: chunks spread "
+           "over its nodes (default off)", is_bool=True),
     # The core's cache settings; the environment names are the core's own
     # (StageKvCacheConfig.from_env reads them).
     Option("cache.mode", "--cache-mode", "SKIPPY_KV_CACHE", "mode", _wrap(parse_cache_mode),
