@@ -18,6 +18,7 @@ Invariants, checked by `check_invariants` and the property tests:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NewType
@@ -87,10 +88,23 @@ class ResidentCacheStats:
     records: int
     evictions: int
     uncacheable: int
+    #: Entries a request asked to keep (`pin`), their tokens, and the cap on those tokens.
+    pinned: int = 0
+    pinned_tokens: int = 0
+    max_pinned_tokens: int = 0
 
 
 class ResidentPrefixCache:
-    def __init__(self, config: ResidentCacheConfig) -> None:
+    """Resident entries' books: sequence ids, budgets, recency, idleness, pins.
+
+    Pinned entries are never chosen by LRU or idleness while an unpinned entry
+    can go; their tokens stay under `max_pinned_tokens` (pinning past it
+    releases the oldest pins first). When only pinned entries are left, a
+    record's budget or a decode's cells still take them: a pin never fails a
+    request.
+    """
+
+    def __init__(self, config: ResidentCacheConfig, *, max_pinned_tokens: int = 0) -> None:
         if config.reserved_seq_count < 0 or config.reserved_seq_count >= LLAMA_MAX_SEQ:
             raise ResidentCacheError(f"reserved_seq_count {config.reserved_seq_count} leaves no cache ids")
         self.config = config
@@ -109,6 +123,10 @@ class ResidentPrefixCache:
         self._records = 0
         self._evictions = 0
         self._uncacheable = 0
+        self.max_pinned_tokens = max_pinned_tokens
+        #: Pinned entries, oldest pin first.
+        self._pins: OrderedDict[PageId, None] = OrderedDict()
+        self._pinned_tokens = 0
 
     # -- reads ---------------------------------------------------------------
 
@@ -150,6 +168,9 @@ class ResidentPrefixCache:
             records=self._records,
             evictions=self._evictions,
             uncacheable=self._uncacheable,
+            pinned=len(self._pins),
+            pinned_tokens=self._pinned_tokens,
+            max_pinned_tokens=self.max_pinned_tokens,
         )
 
     def entries(self) -> list[ResidentLookup]:
@@ -205,7 +226,7 @@ class ResidentPrefixCache:
         while self._exceeds(
             len(self._entries) + len(self._pending) + 1, self._tokens + token_count, self._bytes + estimated_bytes
         ):
-            victim = self._lru_victim()
+            victim = self._lru_victim() or self._lru_victim(pinned=True)
             assert victim is not None, "the pending-entries check above should have refused this record"
             evictions.append(self._evict(victim, drop_evicted))
         seq_id = self._take_seq_id()
@@ -227,12 +248,54 @@ class ResidentPrefixCache:
         self._entries[page_id] = _Entry(seq_id, token_count, estimated_bytes, self._clock, self._work)
         self._records += 1
 
+    # -- pins ----------------------------------------------------------------
+
+    def pin(self, page_id: PageId) -> list[PageId]:
+        """Keep the entry resident; returns the pins released (oldest first) to stay under the cap.
+
+        An entry alone over the cap, or not resident, is not pinned (nothing is released).
+        """
+        entry = self._entries.get(page_id)
+        if entry is None or entry.token_count > self.max_pinned_tokens:
+            return []
+        if page_id in self._pins:
+            self._pins.move_to_end(page_id)
+            return []
+        released = []
+        while self._pinned_tokens + entry.token_count > self.max_pinned_tokens:
+            oldest = next(iter(self._pins))
+            self.unpin(oldest)
+            released.append(oldest)
+        self._pins[page_id] = None
+        self._pinned_tokens += entry.token_count
+        return released
+
+    def unpin(self, page_id: PageId) -> bool:
+        """The entry is an ordinary one again (LRU); False if it was not pinned."""
+        if page_id not in self._pins:
+            return False
+        del self._pins[page_id]
+        self._pinned_tokens -= self._entries[page_id].token_count
+        return True
+
+    def unpin_all(self) -> int:
+        pinned = list(self._pins)
+        for page_id in pinned:
+            self.unpin(page_id)
+        return len(pinned)
+
+    def pinned(self, page_id: PageId) -> bool:
+        return page_id in self._pins
+
     # -- eviction ------------------------------------------------------------
 
-    def evict_one_lru_entry(self, drop_evicted: DropEvicted) -> ResidentEviction | None:
-        """Evict the least recently used entry (to make cells for a decode), if any."""
+    def evict_one_lru_entry(self, drop_evicted: DropEvicted, *, pinned_too: bool = False) -> ResidentEviction | None:
+        """Evict the least recently used entry (to make cells for a decode), if any; a pinned one
+        only with `pinned_too` and when no unpinned entry is left."""
         self._tick()
         victim = self._lru_victim()
+        if victim is None and pinned_too:
+            victim = self._lru_victim(pinned=True)
         if victim is None:
             return None
         return self._evict(victim, drop_evicted)
@@ -257,14 +320,14 @@ class ResidentPrefixCache:
         idle = [
             (entry.used_at_work, entry.last_used, page_id)
             for page_id, entry in self._entries.items()
-            if self._work - entry.used_at_work > idle_tokens
+            if self._work - entry.used_at_work > idle_tokens and page_id not in self._pins
         ]
         return [self._evict(page_id, drop_evicted) for _, _, page_id in sorted(idle)]
 
     def clear(self, drop_evicted: DropEvicted) -> list[ResidentEviction]:
-        """Evict every committed entry, least recently used first (pending ones stay)."""
+        """Evict every committed entry, pinned ones too, least recently used first (pending ones stay)."""
         evicted = []
-        while (victim := self._lru_victim()) is not None:
+        while (victim := self._lru_victim() or self._lru_victim(pinned=True)) is not None:
             evicted.append(self._evict(victim, drop_evicted))
         return evicted
 
@@ -282,8 +345,10 @@ class ResidentPrefixCache:
             or (cfg.max_resident_tokens > 0 and tokens > cfg.max_resident_tokens)
         )
 
-    def _lru_victim(self) -> PageId | None:
-        return min(self._entries, key=lambda page_id: self._entries[page_id].last_used, default=None)
+    def _lru_victim(self, *, pinned: bool = False) -> PageId | None:
+        """The least recently used entry among the unpinned ones (or, with `pinned`, the pinned ones)."""
+        pool = self._pins if pinned else (p for p in self._entries if p not in self._pins)
+        return min(pool, key=lambda page_id: self._entries[page_id].last_used, default=None)
 
     def _evict(self, page_id: PageId, drop_evicted: DropEvicted) -> ResidentEviction:
         entry = self._entries[page_id]
@@ -291,6 +356,7 @@ class ResidentPrefixCache:
         # Native drop first: if it fails the cells may still be held, and the
         # books must keep saying so rather than hand the id out again.
         drop_evicted(eviction)
+        self.unpin(page_id)
         del self._entries[page_id]
         self._tokens -= entry.token_count
         self._bytes -= entry.estimated_bytes
@@ -326,3 +392,7 @@ class ResidentPrefixCache:
             assert nbytes <= cfg.max_bytes, f"{nbytes} bytes over max_bytes {cfg.max_bytes}"
         if cfg.max_resident_tokens > 0:
             assert tokens <= cfg.max_resident_tokens, f"{tokens} tokens over cap {cfg.max_resident_tokens}"
+        assert set(self._pins) <= set(self._entries), "a pin on an entry that is not resident"
+        pinned = sum(self._entries[p].token_count for p in self._pins)
+        assert pinned == self._pinned_tokens, f"pinned token books {self._pinned_tokens} != entries' {pinned}"
+        assert pinned <= self.max_pinned_tokens, f"{pinned} pinned tokens over {self.max_pinned_tokens}"

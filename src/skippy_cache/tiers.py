@@ -70,6 +70,10 @@ class Why(str, enum.Enum):
     NO_ROOM = "no_room"
     #: The store holds it, but restoring from its tier is measured slower than prefilling.
     RESTORE_SLOWER = "restore_slower"
+    #: A longer prefix of the prompt was cached, and left (misses.py): a bigger cache would have served it.
+    EVICTED = "evicted"
+    #: The same tokens were recorded under another namespace (`cache_salt`), which never shares.
+    NAMESPACE = "namespace"
     #: The request asked not to look up.
     LOOKUP_OFF = "lookup_off"
     CACHE_DISABLED = "cache_disabled"

@@ -5,6 +5,7 @@ from skippy_cache.runtime.engine import Engine
 from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, available_cores
 from skippy_cache.runtime.gguf_info import GgufInfo, ModelNotFoundError, default_model_path, read_gguf_info
 from skippy_cache.runtime.native import SamplingParams
+from skippy_cache.runtime.prefixcache import Explanation
 from skippy_cache.runtime.remote import RTT_BUCKETS, RemoteConfig, RemoteStats, redact
 from skippy_cache.runtime.requests import (
     Completion,
@@ -30,6 +31,7 @@ __all__ = [
     "EngineInfo",
     "EngineStats",
     "Event",
+    "Explanation",
     "FinishReason",
     "GenerationRequest",
     "GgufInfo",

@@ -47,7 +47,7 @@ from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, ava
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel, Sampler, runtime_abi
 from skippy_cache.runtime.pool import CellPool
-from skippy_cache.runtime.prefixcache import PrefixCache
+from skippy_cache.runtime.prefixcache import Explanation, PrefixCache
 from skippy_cache.runtime.statestore import open_store
 from skippy_cache.runtime.requests import (
     Completion,
@@ -114,7 +114,8 @@ class Engine:
         store, store_note = (None, None) if det else open_store(config, warm_state)
         if store_note:
             log.warning("%s", store_note)
-        tiers = CacheTiers(ResidentPrefixCache(budgets), store, None if det else PrefixIndex())
+        resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100)
+        tiers = CacheTiers(resident, store, None if det else PrefixIndex())
         identity_key = IdentityKey.from_stage(stage, model_digest=gguf.digest, runtime_abi=runtime_abi())
         self.cache = PrefixCache(
             self.pool,
@@ -267,6 +268,20 @@ class Engine:
             self._calls.append((fn, future))
             self._cv.notify()
         return future.result(timeout)
+
+    def explain(self, request: GenerationRequest) -> Explanation:
+        """What `request` would reuse right now, from where, and why not more, without running it.
+
+        The shared tier is asked on the caller's thread; the local tiers are
+        planned on the engine thread, between steps.
+        """
+        self.validate(request)
+        remote = self.cache.prefetch(request, fetch=False)
+        return self.call(lambda: self.cache.explain(request, remote))
+
+    def unpin(self, request: GenerationRequest | None) -> int:
+        """Release the pin on `request`'s prompt (None: every pin); how many were released."""
+        return self.call(lambda: self.cache.unpin(request))
 
     def clear_cache(self) -> int:
         """Evict every resident entry and empty the state tiers; returns how many resident entries went."""

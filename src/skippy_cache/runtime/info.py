@@ -74,6 +74,9 @@ class EngineConfig:
     max_pending_bytes: int = 512 << 20
     #: The store's shared tier on a Redis/Valkey server (None: none). Needs the RAM tier.
     remote: RemoteConfig | None = None
+    #: Pinned entries (requests with `pin`) hold at most this share of the pool's cells, in percent;
+    #: pinning past it releases the oldest pins first.
+    pin_percent: int = 25
     #: With a store: an entry unused while the pool decodes this many
     #: tokens is demoted. A resident cell costs every decoded token attention
     #: time, and a restore costs a copy per cell; past this many tokens an idle

@@ -64,6 +64,7 @@ class Lane:
     #: What the lane reused, as its request reports it (RequestStats).
     cache_source: str = "none"
     miss_reason: str | None = None
+    evicted_ago: str | None = None
     restore_ms: float = 0.0
     #: What a prefetch brought from the shared tier before the request was queued (None: none asked).
     prefetched: Prefetched | None = None
@@ -78,6 +79,12 @@ class Lane:
     @property
     def prompt(self) -> list[int]:
         return self.handle.request.tokens
+
+    @classmethod
+    def for_lookup(cls, request: GenerationRequest) -> Lane:
+        """A lane that never runs: what `PrefixCache.name` and `plan` need to explain a lookup."""
+        return cls(seq_id=-1, handle=RequestHandle(request), sink=_discard, sampler=None,  # type: ignore[arg-type]
+                   stream=None, reserve=0, t_submit=0.0)  # type: ignore[arg-type]
 
     @property
     def prefill_end(self) -> int:
@@ -99,5 +106,10 @@ class Lane:
             decode_tokens_per_s=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0,
             cache_source=self.cache_source,
             miss_reason=self.miss_reason,
+            evicted_ago=self.evicted_ago,
             restore_ms=self.restore_ms,
         )
+
+
+def _discard(_event: object) -> None:
+    pass

@@ -30,13 +30,15 @@ the shared tier holds into RAM before its request is queued.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
-from dataclasses import replace
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
+from blake3 import blake3
 
 from skippy_cache.config import PrefixCandidatePolicy, StageKvCacheMode
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities, prefix_identity
+from skippy_cache.misses import MissBook, age_bucket, lengths
 from skippy_cache.resident import ResidentCacheError, ResidentEviction
 from skippy_cache.runtime.costs import RestoreCosts
 from skippy_cache.runtime.lane import Lane
@@ -45,6 +47,17 @@ from skippy_cache.runtime.requests import GenerationRequest
 from skippy_cache.runtime.remote import Prefetched
 from skippy_cache.runtime.statestore import StateStore
 from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """What a request would reuse now (`PrefixCache.explain`): the fields of a response's `skippy_cache`."""
+
+    source: str
+    matched_tokens: int
+    prompt_tokens: int
+    miss_reason: str | None
+    evicted_ago: str | None
 
 
 class PrefixCache:
@@ -79,6 +92,8 @@ class PrefixCache:
         self._whole_prompt_key = replace(identity_key, extra=(("entry", "whole-prompt"),))
         self.counters = CacheCounters()
         self.costs = RestoreCosts()
+        #: Recently evicted prefixes and recorded namespaces, to tell a miss's reason (misses.py).
+        self.misses = MissBook()
         #: Resident pages' space and tokens: what their chunks are named by when they leave.
         self._entries: dict[PageId, tuple[Hashable, list[int]]] = {}
         #: Resident pages waiting to be exported: reused ones (for an idle engine), and with a
@@ -112,12 +127,13 @@ class PrefixCache:
         """New entries go to the shared tier as soon as they are recorded (one export per step)."""
         return self.store is not None and self.store.remote is not None
 
-    def prefetch(self, request: GenerationRequest) -> Prefetched | None:
-        """Bring the chunks of the request's prompt that only the shared tier holds into RAM.
+    def prefetch(self, request: GenerationRequest, *, fetch: bool = True) -> Prefetched | None:
+        """Bring the chunks of the request's prompt that only the shared tier holds into RAM (without
+        `fetch`: only ask what it holds). None when the request has nothing to look up there.
 
-        Called on a prefetch worker before the request is queued, so the
-        engine thread never waits on the network. The names are the ones
-        `name` gives the lane (pure hashing).
+        Called on a prefetch worker before the request is queued (or by an
+        explain), so the engine thread never waits on the network. The names
+        are the ones `name` gives the lane (pure hashing).
         """
         store = self.store
         if store is None or store.remote is None or self.on_grid or not (self.mode.looks_up and request.lookup):
@@ -126,7 +142,32 @@ class PrefixCache:
             return None
         space = self.identity_key.with_namespace(request.namespace)
         whole = prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
-        return store.prefetch(store.chunk_identities(space, request.tokens[:-1]), whole)
+        chunk_ids = store.chunk_identities(space, request.tokens[:-1])
+        return store.prefetch(chunk_ids, whole) if fetch else store.remote_reach(chunk_ids, whole)
+
+    def explain(self, request: GenerationRequest, remote: Prefetched | None = None) -> Explanation:
+        """What the request would reuse right now, from where, and why not more; changes nothing.
+
+        `remote` is what the shared tier holds for it (`prefetch(fetch=False)`,
+        asked off the engine thread). Running lanes are not looked at: a
+        request sent now may also share the cells another is prefilling.
+        """
+        lane = Lane.for_lookup(request)
+        self.name(lane)
+        hit = self.plan(lane)
+        if hit.source in (Source.RAM, Source.DISK) and not self.costs.restore_wins(hit.source):
+            hit = Hit.miss(Why.RESTORE_SLOWER)
+        if remote is not None and (remote.tokens or remote.whole):
+            # The tail comes only with every chunk before it: `whole` is the whole prompt.
+            length = len(request.tokens) if remote.whole else min(remote.local_tokens + remote.tokens,
+                                                                  lane.prefill_end)
+            if length > hit.length:
+                why = Why.EXACT_REPEAT if remote.whole else _why(length, lane.prefill_end)
+                hit = Hit(Source.REMOTE, None, length, why)
+        if hit.why in (Why.NEVER_SEEN, Why.DIVERGED) and not self.on_grid:
+            hit = self._explain_miss(hit, lane)
+        miss = None if hit.why in (Why.EXACT_REPEAT, Why.ALL_BUT_LAST) else hit.why.value
+        return Explanation(hit.source.value, hit.length, len(request.tokens), miss, lane.evicted_ago)
 
     def looks_up(self, lane: Lane) -> bool:
         """The lane may share cells computed for another request: a fast-mode lookup the request allows.
@@ -190,6 +231,8 @@ class PrefixCache:
 
     def settle(self, hit: Hit, lane: Lane) -> None:
         """Count the lookup once, note on the lane what it reused and why not more, and plan its records."""
+        if hit.why in (Why.NEVER_SEEN, Why.DIVERGED) and not self.on_grid:
+            hit = self._explain_miss(hit, lane)
         lane.cache_source = hit.source.value
         lane.miss_reason = None if hit.why in (Why.EXACT_REPEAT, Why.ALL_BUT_LAST) else hit.why.value
         c = self.counters
@@ -198,6 +241,9 @@ class PrefixCache:
         if hit.source is not Source.NONE:
             c.hits += 1
             c.hit_tokens += hit.length
+        if hit.source is Source.RESIDENT and hit.whole and lane.request.pin:
+            assert hit.page_id is not None
+            self.tiers.resident.pin(hit.page_id)
         if hit.source in (Source.RAM, Source.DISK, Source.REMOTE) and hit.whole:
             # The whole entry came back: resident again, sharing the lane's
             # cells, so the next repeat is a `seq_cp`.
@@ -286,10 +332,23 @@ class PrefixCache:
             entry_tokens = (tokens if tokens is not None else lane.prompt)[:n]
             self.tiers.file(prefix.page_id, lane.space, entry_tokens)
             self._entries[prefix.page_id] = (lane.space, entry_tokens)
+            self._book_recorded(lane.space, lane.request.namespace, entry_tokens)
         self.counters.records += 1
+        if lane.request.pin and prefix is lane.prompt_identity:
+            resident.pin(prefix.page_id)
         if self.shares:
             self._to_persist[prefix.page_id] = None
         return True
+
+    # -- pins -----------------------------------------------------------------------
+
+    def unpin(self, request: GenerationRequest | None) -> int:
+        """Release the pin on the request's prompt (None: every pin); how many were released."""
+        resident = self.tiers.resident
+        if request is None:
+            return resident.unpin_all()
+        whole = prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
+        return int(resident.unpin(whole.page_id))
 
     # -- the pool's cells ------------------------------------------------------------
 
@@ -301,8 +360,11 @@ class PrefixCache:
         return True
 
     def evict_one(self) -> bool:
-        """Evict (demote) the least recently used entry to free its cells; False when none is left."""
-        eviction = self.tiers.resident.evict_one_lru_entry(self._demote)
+        """Evict (demote) the least recently used entry to free its cells; False when none is left.
+
+        Pinned entries go last, when nothing else can: a pin never fails a request.
+        """
+        eviction = self.tiers.resident.evict_one_lru_entry(self._demote, pinned_too=True)
         if eviction is None:
             return False
         self.counters.proactive_evictions += 1
@@ -364,6 +426,27 @@ class PrefixCache:
         if len(request.tokens) < max(self.tiers.min_tokens, 1):
             return Why.BELOW_MIN_TOKENS
         return None
+
+    def _explain_miss(self, hit: Hit, lane: Lane) -> Hit:
+        """What the plan could not tell: a longer prefix that was cached and left, or the same tokens
+        recorded under another namespace."""
+        tokens = lane.request.tokens
+        at = lengths(len(tokens), self.policy.grid_tokens)
+        evicted = self.misses.evicted(prefix_identity_map(lane.space, tokens, at), hit.length)
+        if evicted is not None:
+            lane.evicted_ago = age_bucket(time.monotonic() - evicted.at)
+            return replace(hit, why=Why.EVICTED)
+        unsalted = prefix_identity_map(self.identity_key.with_namespace(None), tokens, at)
+        if self.misses.other_namespace(unsalted, _namespace_digest(lane.request.namespace), hit.length):
+            return replace(hit, why=Why.NAMESPACE)
+        return hit
+
+    def _book_recorded(self, space: Hashable, namespace: str | None, tokens: Sequence[int]) -> None:
+        """A prefix was recorded: it is no longer a ghost, and its tokens are booked under its namespace."""
+        at = lengths(len(tokens), self.policy.grid_tokens)
+        self.misses.held(prefix_identity_map(space, tokens, at).values())
+        unsalted = prefix_identity_map(self.identity_key.with_namespace(None), tokens, at)
+        self.misses.recorded(unsalted.values(), _namespace_digest(namespace))
 
     def _restore(self, hit: Hit, lane: Lane) -> Hit | bool | None:
         """Restore the hit from the store onto the lane's empty sequence; the hit as restored.
@@ -448,9 +531,30 @@ class PrefixCache:
         self.pool.free(eviction.seq_id)
 
     def _forget(self, evictions: list[ResidentEviction] | tuple[ResidentEviction, ...]) -> None:
-        """After the resident books let entries go: the index and logits follow."""
+        """After the resident books let entries go: the index and logits follow, and the miss book
+        remembers them as ghosts."""
+        now = time.monotonic()
         for eviction in evictions:
-            self._entries.pop(eviction.page_id, None)
+            entry = self._entries.pop(eviction.page_id, None)
+            if entry is not None:
+                space, tokens = entry
+                ids = prefix_identity_map(space, tokens, lengths(len(tokens), self.policy.grid_tokens))
+                self.misses.left(ids.values(), now)
             self._to_persist.pop(eviction.page_id, None)
             self._reused.discard(eviction.page_id)
             self.tiers.forget_if_gone(eviction.page_id)
+
+
+def prefix_identity_map(space: Hashable, tokens: Sequence[int], at: list[int]) -> dict[int, PageId]:
+    """Page ids of the prefixes of `tokens` at the lengths `at`."""
+    assert isinstance(space, IdentityKey)
+    return {n: identity.page_id for n, identity in prefix_identities(space, tokens, at).items()}
+
+
+def _namespace_digest(namespace: str | None) -> str:
+    """A namespace as the miss book keeps it: a digest, so the book never holds a salt."""
+    return blake3(repr(namespace).encode()).hexdigest(length=8)
+
+
+def _why(length: int, prefill_end: int) -> Why:
+    return Why.ALL_BUT_LAST if length >= prefill_end else Why.DIVERGED

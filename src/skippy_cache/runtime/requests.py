@@ -44,6 +44,8 @@ class GenerationRequest:
     lookup: bool = True
     #: Return the first token's logits in `DoneEvent` (exactness checks).
     keep_first_logits: bool = False
+    #: Keep the whole prompt's entry resident (bounded: `EngineConfig.pin_percent`).
+    pin: bool = False
 
 
 def validate_request(request: GenerationRequest, *, n_vocab: int, n_ctx: int) -> None:
@@ -92,6 +94,8 @@ class RequestStats:
     #: Why no more of the prompt was reused; None when every token but the last was (or the
     #: whole prompt, with its logits). Values: tiers.Why's, but exact_repeat and all_but_last.
     miss_reason: str | None = None
+    #: With miss_reason "evicted": how long ago that prefix left the pool (misses.AGE_BUCKETS).
+    evicted_ago: str | None = None
     #: Time spent restoring the reused prefix from the store.
     restore_ms: float = 0.0
 

@@ -306,29 +306,8 @@ class StateStore:
         """
         remote = self.remote
         assert remote is not None
-        c = self.chunk_tokens
-        keys = self._chunk_keys(chunk_ids)
-        tail = tail_key(whole.page_id, self.layout_id) if whole is not None else None
-        with self._cv:
-            local, _ = self.chunks.run(keys)
-            tail_held = tail is None or tail in self.chunks
-        wanted = keys[local:]
-        if not tail_held:
-            wanted.append(tail)
-        nothing = Prefetched(local * c, 0, False, 0.0)
-        if not wanted:
-            return nothing
         t0 = time.perf_counter()
-        present = remote.present(wanted)
-        if present is None:
-            return nothing
-        run = next((i for i, held in enumerate(present) if not held), len(present))
-        if run < len(keys) - local:
-            remote.missed()
-            wanted = wanted[:run]  # a chunk missing mid-run ends it, tail included
-        elif not tail_held and run < len(wanted):
-            remote.missed()
-            wanted = wanted[:-1]
+        local, wanted, tail = self._remote_run(chunk_ids, whole)
         kept = 0
         for start in range(0, len(wanted), _FETCH_CHUNKS):
             batch = wanted[start : start + _FETCH_CHUNKS]
@@ -338,9 +317,50 @@ class StateStore:
             kept += self._adopt(batch, values)
             if kept < start + len(batch):
                 break
-        whole_came = tail is not None and not tail_held and kept == len(wanted) and wanted[-1:] == [tail]
+        whole_came = tail is not None and kept == len(wanted) and wanted[-1:] == [tail]
         chunks = kept - whole_came
+        c = self.chunk_tokens
         return Prefetched(local * c, chunks * c, whole_came, (time.perf_counter() - t0) * 1000)
+
+    def remote_reach(self, chunk_ids: Sequence[PrefixIdentity], whole: PrefixIdentity | None) -> Prefetched:
+        """What `prefetch` would bring, asked without fetching anything (`ms` is the lookup's)."""
+        t0 = time.perf_counter()
+        local, wanted, tail = self._remote_run(chunk_ids, whole)
+        whole_there = tail is not None and wanted[-1:] == [tail]
+        chunks = len(wanted) - whole_there
+        c = self.chunk_tokens
+        return Prefetched(local * c, chunks * c, whole_there, (time.perf_counter() - t0) * 1000)
+
+    def _remote_run(
+        self, chunk_ids: Sequence[PrefixIdentity], whole: PrefixIdentity | None
+    ) -> tuple[int, list[str], str | None]:
+        """The chunks held here from the start (how many), the keys past them that the shared tier
+        holds in one run (the whole prompt's tail last, if it holds every chunk before it), and
+        the tail's key (None: no whole prompt, or held here already). One pipelined round trip."""
+        remote = self.remote
+        assert remote is not None
+        keys = self._chunk_keys(chunk_ids)
+        tail = tail_key(whole.page_id, self.layout_id) if whole is not None else None
+        with self._cv:
+            local, _ = self.chunks.run(keys)
+            if tail is not None and tail in self.chunks:
+                tail = None
+        wanted = keys[local:]
+        if tail is not None:
+            wanted.append(tail)
+        if not wanted:
+            return local, [], tail
+        present = remote.present(wanted)
+        if present is None:
+            return local, [], tail
+        run = next((i for i, held in enumerate(present) if not held), len(present))
+        if run < len(keys) - local:
+            remote.missed()
+            wanted = wanted[:run]  # a chunk missing mid-run ends it, tail included
+        elif tail is not None and run < len(wanted):
+            remote.missed()
+            wanted = wanted[:-1]
+        return local, wanted, tail
 
     def _adopt(self, keys: Sequence[str], values: Sequence[bytes | None]) -> int:
         """Keep the leading fetched values that verify; how many were kept."""

@@ -25,6 +25,8 @@ ENDPOINTS = (
     "/v1/chat/completions",
     "/v1/models",
     "/v1/cache",
+    "/v1/cache/explain",
+    "/v1/cache/unpin",
     "/health",
     "/metrics",
 )
@@ -81,6 +83,8 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     v1 = APIRouter(prefix="/v1", dependencies=auth)
     v1.add_api_route("/completions", generation.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", generation.chat_completions, methods=["POST"])
+    v1.add_api_route("/cache/explain", generation.explain, methods=["POST"])
+    v1.add_api_route("/cache/unpin", generation.unpin, methods=["POST"])
 
     @v1.get("/models")
     async def list_models() -> dict:

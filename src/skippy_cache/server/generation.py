@@ -1,4 +1,5 @@
-"""POST /v1/completions and /v1/chat/completions: body -> tokens -> engine -> response or SSE stream."""
+"""POST /v1/completions and /v1/chat/completions: body -> tokens -> engine -> response or SSE stream;
+and the prompts of /v1/cache/explain and /v1/cache/unpin, tokenized the same way."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from skippy_cache.server.chat import ChatFormatter, ChatTemplateError
 from skippy_cache.server.errors import APIError, error_body, from_engine_error, from_validation_errors
 from skippy_cache.server.metrics import ServerMetrics
 from skippy_cache.server.responses import ChatFormat, CompletionFormat, ResponseFormat
-from skippy_cache.server.schemas import ChatCompletionRequest, CompletionRequest
+from skippy_cache.server.responses import explanation_answer
+from skippy_cache.server.schemas import CacheQuery, ChatCompletionRequest, CompletionRequest, UnpinRequest
 from skippy_cache.server.settings import ServerSettings
 
 T = TypeVar("T", bound=BaseModel)
@@ -72,6 +74,34 @@ class Generation:
         run = self._submit(body, tokens, max_tokens, prompt_param="messages")
         return await self._respond(request, run, body, ChatFormat(self.model_id, self.system_fingerprint))
 
+    async def explain(self, request: Request) -> Response:
+        """What a request with this prompt would reuse right now, from where, and why not more."""
+        body = await _parse(request, CacheQuery)
+        query = await self._query(body)
+        try:
+            explanation = await asyncio.to_thread(self.engine.explain, query)
+        except (RequestError, EngineClosedError) as exc:
+            raise from_engine_error(exc, prompt_param="prompt" if body.prompt is not None else "messages") from None
+        return JSONResponse({"object": "cache.explanation", "skippy_cache": explanation_answer(explanation)})
+
+    async def unpin(self, request: Request) -> Response:
+        """Release the pin on a prompt's entry, or (`all`) every pin."""
+        body = await _parse(request, UnpinRequest)
+        query = None if body.all else await self._query(body)
+        released = await asyncio.to_thread(self.engine.unpin, query)
+        return JSONResponse({"object": "cache.unpin", "released": released})
+
+    async def _query(self, body: CacheQuery) -> GenerationRequest:
+        self._check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest.model_construct(messages=body.messages)
+            tokens = await asyncio.to_thread(self._chat_tokens, chat)
+        elif isinstance(body.prompt, str):
+            tokens = await asyncio.to_thread(self.engine.tokenize, body.prompt)
+        else:
+            tokens = list(body.prompt or ())
+        return GenerationRequest(tokens=tokens, max_tokens=1, namespace=body.cache_salt, lookup=body.cache.lookup)
+
     # -- steps -----------------------------------------------------------------
 
     def _check_model(self, model: str | None) -> None:
@@ -99,6 +129,9 @@ class Generation:
             sampling=body.sampling(),
             stop=body.stop_strings(),
             namespace=body.cache_salt,
+            lookup=body.cache.lookup,
+            record=body.cache.store,
+            pin=body.pin,
         )
         try:
             return EngineRun(self.engine, request, on_done=self.metrics.observe_done)

@@ -107,6 +107,10 @@ class EngineCollector(Collector):
                 "Bytes stored on behalf of entries / bytes held (chunks shared by prefixes count once)",
                 store.chunks.dedup_ratio if store is not None else 0.0,
             ),
+            "skippy_cache_recoverable_miss_ratio": (
+                "Prompt tokens missed on evicted prefixes / all missed tokens: how much a bigger cache would help",
+                n.missed_tokens.get("evicted", 0) / missed if (missed := sum(n.missed_tokens.values())) else 0.0,
+            ),
             "skippy_cache_lookup_hit_ratio": (
                 "Lookups that reused a cached prefix / lookups",
                 n.hits / n.lookups if n.lookups else 0.0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from skippy_cache.runtime import FinishReason, RequestStats
+from skippy_cache.runtime import Explanation, FinishReason, RequestStats
 
 
 def usage(stats: RequestStats) -> dict:
@@ -25,8 +25,24 @@ def cache_answer(stats: RequestStats) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "restore_ms": round(stats.restore_ms, 3),
     }
-    if stats.miss_reason is not None:
-        answer["miss_reason"] = stats.miss_reason
+    return _with_reason(answer, stats.miss_reason, stats.evicted_ago)
+
+
+def explanation_answer(explanation: Explanation) -> dict:
+    """`skippy_cache` as a request would get it now (POST /v1/cache/explain); nothing is restored yet."""
+    answer = {
+        "source": explanation.source,
+        "matched_tokens": explanation.matched_tokens,
+        "prompt_tokens": explanation.prompt_tokens,
+    }
+    return _with_reason(answer, explanation.miss_reason, explanation.evicted_ago)
+
+
+def _with_reason(answer: dict, miss_reason: str | None, evicted_ago: str | None) -> dict:
+    if miss_reason is not None:
+        answer["miss_reason"] = miss_reason
+    if evicted_ago is not None:
+        answer["evicted_ago"] = evicted_ago
     return answer
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from skippy_cache.runtime import SamplingParams
 
@@ -30,6 +30,15 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class CacheControl(_Strict):
+    """Per-request cache control: `"cache": {"lookup": false, "store": false}` (`extra_body` with the openai client)."""
+
+    #: Reuse cached prefixes for this request.
+    lookup: bool = True
+    #: Keep anything of this request in any tier (False: nothing is recorded or written).
+    store: bool = True
 
 
 class _GenerationFields(_Strict):
@@ -52,6 +61,9 @@ class _GenerationFields(_Strict):
     user: str | None = None
     #: Own cache namespace: requests with different salts never share cached state.
     cache_salt: str | None = Field(default=None, min_length=1)
+    cache: CacheControl = Field(default_factory=CacheControl)
+    #: Keep this prompt's entry resident (bounded share of the pool; `POST /v1/cache/unpin` releases it).
+    pin: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -101,15 +113,7 @@ class CompletionRequest(_GenerationFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-            value = value[0]  # a batch of one prompt
-        if isinstance(value, str | list) and len(value) == 0:
-            raise ValueError("the prompt is empty")
-        if isinstance(value, str):
-            return value
-        if isinstance(value, list) and all(type(t) is int for t in value):
-            return value
-        raise ValueError("must be a string or a list of token ids (batches of prompts are not supported)")
+        return _prompt_shape(value)
 
     def max_tokens_or_default(self) -> int:
         requested = self.requested_max_tokens
@@ -143,3 +147,49 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CacheQuery(_Strict):
+    """POST /v1/cache/explain and /v1/cache/unpin: a prompt as a request would send it, not run."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    cache_salt: str | None = Field(default=None, min_length=1)
+    cache: CacheControl = Field(default_factory=CacheControl)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        return None if value is None else _prompt_shape(value)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CacheQuery:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class UnpinRequest(CacheQuery):
+    """With `all`, every pin is released and no prompt is needed."""
+
+    all: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> UnpinRequest:
+        if not self.all and (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages', or 'all': true")
+        return self
+
+
+def _prompt_shape(value: Any) -> Any:
+    """A prompt as a string or token ids; errors name the field, not pydantic's union branch."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]  # a batch of one prompt
+    if isinstance(value, str | list) and len(value) == 0:
+        raise ValueError("the prompt is empty")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(type(t) is int for t in value):
+        return value
+    raise ValueError("must be a string or a list of token ids (batches of prompts are not supported)")
