@@ -70,6 +70,8 @@ class ServerSettings:
     chunk_tokens: int = 256
     #: Demote an entry once the pool decodes this many tokens without using it (0: only under pressure).
     idle_tokens: int = 256
+    #: Pinned prompts (`"pin": true`) hold at most this share of the pool, in percent.
+    pin_percent: int = 25
     #: The store's shared tier: a Redis/Valkey URL (None: none).
     remote_cache: str | None = field(default=None, repr=False)  # may hold a password
     #: A file whose first line is the shared tier's password (overrides one in the URL).
@@ -94,6 +96,7 @@ class ServerSettings:
             disk_cache_bytes=self.disk_cache_mib * MIB,
             chunk_tokens=self.chunk_tokens,
             idle_tokens=self.idle_tokens,
+            pin_percent=self.pin_percent,
             remote=self.remote_config(),
         )
 
@@ -261,6 +264,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("idle_tokens", "--idle-tokens", "SKIPPY_IDLE_TOKENS", "idle_tokens", _int(0),
            "move an entry from the pool to the store once the pool has decoded this many tokens without "
            "using it; 0: only when its cells are needed (default 256)", "N"),
+    Option("pin_percent", "--pin-percent", "SKIPPY_PIN_PERCENT", "pin_percent", _int(0, 90),
+           "share of the pool, in percent, that prompts pinned by requests ('pin': true) may hold; past it "
+           "the oldest pin is released (default 25)", "N"),
     Option("remote_cache", "--remote-cache", "SKIPPY_REMOTE_CACHE", "remote_cache", _remote_url,
            "shared tier of the state store on a Redis or Valkey server, for replicas that share one "
            "cache: redis://[user:pass@]host:port[/db], rediss:// (TLS) or unix:///path (default: none)",
