@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run demo test bench clean redis-server
+.PHONY: setup run demo test bench clean system-packages
 
 setup: $(STAMP)
 
@@ -27,17 +27,19 @@ run: setup
 demo: setup
 	$(PY) -m skippy_cache demo
 
-test: setup redis-server
+test: setup system-packages
 	$(PY) -m pytest
 
-# The shared tier's tests run a real Redis server: Debian's redis-server package.
-redis-server:
-	@command -v redis-server >/dev/null || { \
+# Real servers in tests: the shared tier's run a Redis server (redis-server; redis-cli makes a
+# cluster), the dashboard's a headless Chromium driven by Selenium (chromium, chromium-driver).
+SYSTEM_PACKAGES := redis-server chromium chromium-driver
+system-packages:
+	@command -v redis-server >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1 || \
-	    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null 2>&1 || \
+	    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES); }; \
 	  else \
-	    echo "make test needs redis-server: install Debian's redis-server package (sudo apt-get install redis-server)"; \
+	    echo "make test needs Debian's packages $(SYSTEM_PACKAGES) (sudo apt-get install $(SYSTEM_PACKAGES))"; \
 	    exit 1; \
 	  fi; }
 

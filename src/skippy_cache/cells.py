@@ -144,6 +144,15 @@ class CellMap:
         at = np.flatnonzero(held.cells >= 0)
         return (at[np.argsort(held.cells[at], kind="stable")] + held.first).tolist()
 
+    def owners(self, lane_limit: int) -> np.ndarray:
+        """Each cell's owner kind: 0 free, 1 held by lanes only (sequences below `lane_limit`),
+        2 by cache entries only, 3 by both (a lane sharing an entry's cells)."""
+        kinds = np.zeros(self.n_cells, np.int8)
+        for seq, held in self._seqs.items():
+            cells = held.cells[held.cells >= 0]
+            kinds[cells] |= 1 if seq < lane_limit else 2
+        return kinds
+
     def cells_freed_by_removing(self, seqs: set[int]) -> int:
         """Cells that removing these sequences would free: those no other sequence holds."""
         held = [self._seqs[s].cells for s in seqs if s in self._seqs]

@@ -25,6 +25,7 @@ and read `info` and `stats()`.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -35,6 +36,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TypeVar
 
+import numpy as np
+
 from skippy_cache.config import PrefixCandidatePolicy, ResidentCacheConfig, StageConfig
 from skippy_cache.family import resolve_mode
 from skippy_cache.identity import IdentityKey
@@ -43,7 +46,7 @@ from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.runtime.batching import BatchBuilder, Planned
 from skippy_cache.runtime.gguf_info import default_model_path, read_gguf_info
 from skippy_cache.runtime.inflight import InflightJoins
-from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, available_cores
+from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolView, available_cores
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel, Sampler, runtime_abi
 from skippy_cache.runtime.pool import CellPool
@@ -189,6 +192,10 @@ class Engine:
     def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
         return self.model.tokenize(text, add_special=add_special)
 
+    def detokenize(self, tokens: list[int]) -> str:
+        """The text of `tokens` (special tokens left out; a split character replaced)."""
+        return b"".join(self.model.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
     def validate(self, request: GenerationRequest) -> None:
         """Raise `RequestError` for a request that could never run."""
         validate_request(request, n_vocab=self.model.n_vocab, n_ctx=self.n_ctx)
@@ -278,6 +285,18 @@ class Engine:
         self.validate(request)
         remote = self.cache.prefetch(request, fetch=False)
         return self.call(lambda: self.cache.explain(request, remote))
+
+    def pool_view(self, buckets: int = 512) -> PoolView:
+        """The pool as `buckets` columns of cells, each with its owners' counts, and the top prefixes
+        by tokens saved (the dashboard); read on the engine thread between steps."""
+        return self.call(lambda: self._pool_view(buckets))
+
+    def _pool_view(self, buckets: int) -> PoolView:
+        kinds = self.pool.cells.owners(self.info.budgets.reserved_seq_count)
+        edges = np.linspace(0, len(kinds), min(buckets, len(kinds)) + 1).astype(int)
+        columns = [tuple(int(n) for n in np.bincount(kinds[a:b], minlength=4)) for a, b in itertools.pairwise(edges)]
+        top = [(s.tokens, s.hits, s.head, s.namespace) for s in self.cache.savings.top(10)]
+        return PoolView(len(kinds), columns, top)
 
     def unpin(self, request: GenerationRequest | None) -> int:
         """Release the pin on `request`'s prompt (None: every pin); how many were released."""

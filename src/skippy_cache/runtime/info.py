@@ -138,3 +138,14 @@ class EngineStats:
     cached_tokens: int
     #: The shared tier's figures (None: no shared tier), read when asked for.
     remote: RemoteStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """The pool as the dashboard draws it (`Engine.pool_view`)."""
+
+    n_cells: int
+    #: Per column of cells, how many are (free, held by lanes, held by cache entries, shared by both).
+    columns: list[tuple[int, int, int, int]]
+    #: The prefixes that saved the most prompt tokens: (tokens saved, hits, their first tokens, namespace).
+    top: list[tuple[int, int, tuple[int, ...], str]]

@@ -49,6 +49,45 @@ from skippy_cache.runtime.statestore import StateStore
 from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why
 
 
+@dataclass(slots=True)
+class Saved:
+    """One prefix's hits and the prompt tokens they did not prefill; `head`: its first tokens;
+    `namespace`: "default", or a digest of its `cache_salt` (never the salt)."""
+
+    tokens: int
+    hits: int
+    head: tuple[int, ...]
+    namespace: str
+
+
+class Savings:
+    """Prefixes by tokens saved, for "what is the cache doing for me" (bounded: the least saving go).
+
+    A prefix is told apart by its namespace and first `key_tokens` tokens: the
+    hits of one system prompt count together whichever entry served them.
+    """
+
+    def __init__(self, capacity: int = 256, key_tokens: int = 64, head_tokens: int = 16) -> None:
+        self.capacity = capacity
+        self.key_tokens = key_tokens
+        self.head_tokens = head_tokens
+        self._by_prefix: dict[tuple[str | None, tuple[int, ...]], Saved] = {}
+
+    def hit(self, namespace: str | None, prompt: list[int], length: int) -> None:
+        key = (namespace, tuple(prompt[: min(length, self.key_tokens)]))
+        saved = self._by_prefix.get(key)
+        if saved is None:
+            if len(self._by_prefix) >= self.capacity:
+                del self._by_prefix[min(self._by_prefix, key=lambda k: self._by_prefix[k].tokens)]
+            label = "default" if namespace is None else f"salt {_namespace_digest(namespace)[:6]}"
+            saved = self._by_prefix[key] = Saved(0, 0, tuple(prompt[: min(length, self.head_tokens)]), label)
+        saved.tokens += length
+        saved.hits += 1
+
+    def top(self, n: int) -> list[Saved]:
+        return sorted(self._by_prefix.values(), key=lambda s: s.tokens, reverse=True)[:n]
+
+
 @dataclass(frozen=True, slots=True)
 class Explanation:
     """What a request would reuse now (`PrefixCache.explain`): the fields of a response's `skippy_cache`."""
@@ -94,6 +133,8 @@ class PrefixCache:
         self.costs = RestoreCosts()
         #: Recently evicted prefixes and recorded namespaces, to tell a miss's reason (misses.py).
         self.misses = MissBook()
+        #: Prefixes by prompt tokens their hits saved (the dashboard's top list), bounded.
+        self.savings = Savings()
         #: Resident pages' space and tokens: what their chunks are named by when they leave.
         self._entries: dict[PageId, tuple[Hashable, list[int]]] = {}
         #: Resident pages waiting to be exported: reused ones (for an idle engine), and with a
@@ -241,6 +282,7 @@ class PrefixCache:
         if hit.source is not Source.NONE:
             c.hits += 1
             c.hit_tokens += hit.length
+            self.savings.hit(lane.request.namespace, lane.prompt, hit.length)
         if hit.source is Source.RESIDENT and hit.whole and lane.request.pin:
             assert hit.page_id is not None
             self.tiers.resident.pin(hit.page_id)
@@ -558,3 +600,4 @@ def _namespace_digest(namespace: str | None) -> str:
 
 def _why(length: int, prefill_end: int) -> Why:
     return Why.ALL_BUT_LAST if length >= prefill_end else Why.DIVERGED
+

@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from skippy_cache.runtime import Engine
 from skippy_cache.server.chat import ChatFormatter
+from skippy_cache.server.dashboard import dashboard_data, page
 from skippy_cache.server.errors import APIError, install_error_handlers
 from skippy_cache.server.generation import Generation
 from skippy_cache.server.metrics import RequestCounter, ServerMetrics
@@ -27,6 +28,8 @@ ENDPOINTS = (
     "/v1/cache",
     "/v1/cache/explain",
     "/v1/cache/unpin",
+    "/v1/dashboard",
+    "/dashboard",
     "/health",
     "/metrics",
 )
@@ -100,6 +103,12 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     async def cache() -> dict:
         return cache_report(engine)
 
+    @v1.get("/dashboard")
+    async def dashboard_json() -> dict:
+        # The pool view is read on the engine thread: keep the wait off the event loop.
+        return await asyncio.to_thread(dashboard_data, engine, metrics.timeline,
+                                       prefix_text=settings.dashboard_prefix_text)
+
     app.include_router(v1)
 
     @app.get("/health")
@@ -119,6 +128,11 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
             "queue_depth": s.queue_depth,
         }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/dashboard")
+    async def dashboard() -> HTMLResponse:
+        # The page holds no data: it fetches /v1/dashboard, which needs the API key if one is set.
+        return HTMLResponse(page())
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -17,6 +17,7 @@ from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skippy_cache.runtime import RTT_BUCKETS, DoneEvent, Engine, FinishReason, RemoteStats
+from skippy_cache.server.dashboard import Timeline
 from skippy_cache.tiers import StoreStats
 
 #: Time to first token: tens of ms for a full cache hit, seconds for a cold
@@ -50,9 +51,12 @@ class ServerMetrics:
         )
         self._prompt_total = 0
         self._cached_total = 0
+        #: The dashboard's recent history.
+        self.timeline = Timeline()
         r.register(EngineCollector(engine))
 
     def observe_done(self, done: DoneEvent) -> None:
+        self.timeline.add(done)
         stats = done.stats
         self.generations.labels(done.finish_reason.value).inc()
         self.prompt_tokens.inc(stats.prompt_tokens)

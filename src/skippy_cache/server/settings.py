@@ -70,6 +70,8 @@ class ServerSettings:
     chunk_tokens: int = 256
     #: Demote an entry once the pool decodes this many tokens without using it (0: only under pressure).
     idle_tokens: int = 256
+    #: The dashboard shows the first words of its top prefixes (off: only their figures).
+    dashboard_prefix_text: bool = True
     #: Pinned prompts (`"pin": true`) hold at most this share of the pool, in percent.
     pin_percent: int = 25
     #: The store's shared tier: a Redis/Valkey URL (None: none).
@@ -264,6 +266,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("idle_tokens", "--idle-tokens", "SKIPPY_IDLE_TOKENS", "idle_tokens", _int(0),
            "move an entry from the pool to the store once the pool has decoded this many tokens without "
            "using it; 0: only when its cells are needed (default 256)", "N"),
+    Option("dashboard_prefix_text", "--dashboard-prefix-text", "SKIPPY_DASHBOARD_PREFIX_TEXT",
+           "dashboard_prefix_text", _bool, "show the first words of the top prefixes on /dashboard (default on; "
+           "off shows only their figures)", is_bool=True),
     Option("pin_percent", "--pin-percent", "SKIPPY_PIN_PERCENT", "pin_percent", _int(0, 90),
            "share of the pool, in percent, that prompts pinned by requests ('pin': true) may hold; past it "
            "the oldest pin is released (default 25)", "N"),

@@ -1,0 +1,112 @@
+"""GET /dashboard, a live page of the cache, and GET /v1/dashboard, the JSON it polls.
+
+The page (static/dashboard.html) is one file with its CSS and JavaScript
+inline: nothing is built, nothing comes from a CDN. It holds no data; the
+JSON does, under /v1 and so behind `--api-key` like the rest of the API (the
+page asks for the key when the JSON answers 401).
+
+The JSON: the pool as a strip of columns by owner (free, lanes, cache
+entries, shared), the tiers' occupancy, hit ratio and TTFT per 10 seconds
+over the last 10 minutes, the prefixes that saved the most tokens (their
+first words, unless `--dashboard-prefix-text` is off), and misses by reason.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from importlib.resources import files
+
+from skippy_cache.runtime import DoneEvent, Engine, FinishReason
+
+#: Seconds of history the page shows, and the width of one point.
+WINDOW_S = 600
+STEP_S = 10
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    at: float
+    ttft_ms: float | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class Timeline:
+    """Finished requests of the last `WINDOW_S` seconds (fed from any thread)."""
+
+    def __init__(self) -> None:
+        self._done: deque[_Done] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, done: DoneEvent, now: float | None = None) -> None:
+        stats = done.stats
+        answered = stats.completion_tokens > 0 and done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        item = _Done(time.time() if now is None else now, stats.ttft_ms if answered else None,
+                     stats.prompt_tokens, stats.cached_tokens)
+        with self._lock:
+            self._done.append(item)
+            while self._done and self._done[0].at < item.at - WINDOW_S:
+                self._done.popleft()
+
+    def points(self, now: float | None = None) -> list[dict]:
+        """One point per `STEP_S` seconds, oldest first: requests, hit ratio (cached / prompt tokens) and
+        median TTFT of the requests that ended in it (None when none did)."""
+        now = time.time() if now is None else now
+        start = now - WINDOW_S
+        with self._lock:
+            done = [d for d in self._done if d.at >= start]
+        points = []
+        for i in range(WINDOW_S // STEP_S):
+            lo = start + i * STEP_S
+            bucket = [d for d in done if lo <= d.at < lo + STEP_S]
+            prompt = sum(d.prompt_tokens for d in bucket)
+            ttfts = [d.ttft_ms for d in bucket if d.ttft_ms is not None]
+            points.append({
+                "t": round(lo + STEP_S - now),
+                "requests": len(bucket),
+                "hit_ratio": sum(d.cached_tokens for d in bucket) / prompt if prompt else None,
+                "ttft_ms": statistics.median(ttfts) if ttfts else None,
+            })
+        return points
+
+
+def page() -> str:
+    return files("skippy_cache.server").joinpath("static/dashboard.html").read_text(encoding="utf-8")
+
+
+def dashboard_data(engine: Engine, timeline: Timeline, *, prefix_text: bool) -> dict:
+    """Everything the page draws, as of now (the pool view is read between engine steps)."""
+    s = engine.stats()
+    info = engine.info
+    view = engine.pool_view()
+    resident, store, counters = s.cache.resident, s.cache.store, s.cache.counters
+    tiers = [{"name": "resident", "unit": "tokens", "used": resident.resident_tokens,
+              "max": resident.max_resident_tokens or info.n_ctx}]
+    if store is not None:
+        tiers.append({"name": "ram", "unit": "bytes", "used": store.chunks.ram_bytes,
+                      "max": store.chunks.ram_max_bytes})
+        if store.chunks.disk is not None:
+            disk = store.chunks.disk
+            tiers.append({"name": "disk", "unit": "bytes", "used": disk.bytes, "max": disk.max_bytes})
+    if s.remote is not None:
+        tiers.append({"name": "remote", "unit": "chunks", "up": s.remote.up, "hits": s.remote.hits,
+                      "writes": s.remote.writes})
+    top = []
+    for tokens, hits, head, namespace in view.top:
+        text = engine.detokenize(list(head)).strip() if prefix_text else None
+        top.append({"tokens_saved": tokens, "hits": hits, "namespace": namespace, "first_words": text})
+    return {
+        "pool": {"n_cells": view.n_cells, "used": s.used_cells, "lanes_busy": s.lanes_busy,
+                 "lanes_total": s.lanes_total, "queue_depth": s.queue_depth, "columns": view.columns},
+        "tiers": tiers,
+        "totals": {"requests": s.requests_done, "prompt_tokens": s.prompt_tokens,
+                   "cached_tokens": s.cached_tokens, "lookups": counters.lookups, "hits": counters.hits},
+        "misses": dict(sorted(counters.misses.items(), key=lambda kv: -kv[1])),
+        "missed_tokens": counters.missed_tokens,
+        "timeline": timeline.points(),
+        "top_prefixes": top,
+    }

@@ -1,0 +1,94 @@
+"""GET /dashboard in a real headless Chromium (Debian's chromium and chromium-driver, driven by Selenium).
+
+`make test` installs both packages; without them these tests fail, naming them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from live_server import API_KEY, LiveServer, run_own_server
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+from skippy_cache.server import ServerSettings
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        pytest.fail("the dashboard tests need Debian's chromium and chromium-driver packages (`make test` "
+                    "installs them as root: apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,1000"):
+        options.add_argument(arg)
+    # The driver named explicitly: Selenium never downloads one.
+    chrome = webdriver.Chrome(options=options, service=Service(executable_path=driver))
+    yield chrome
+    chrome.quit()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    yield from run_own_server(ServerSettings(ctx_size=2048, lanes=2, cache_dir=None))
+
+
+def loads(browser: webdriver.Chrome) -> int:
+    return int(browser.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") or 0)
+
+
+def wait_for(condition, what: str, timeout: float = 30.0):  # noqa: ANN001, ANN201 - a test helper
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"the page never showed {what}"
+        time.sleep(0.2)
+
+
+def test_the_page_draws_the_pool_and_follows_requests(browser: webdriver.Chrome, server: LiveServer) -> None:
+    browser.get(f"{server.url}/dashboard")
+    wait_for(lambda: loads(browser) >= 1, "its first refresh")
+    columns = browser.find_elements(By.CSS_SELECTOR, "#strip > div")
+    assert len(columns) == 512
+    requests_card = browser.find_element(By.ID, "card-requests").text
+    before_loads = loads(browser)
+
+    prompt = " ".join(["the cache keeps the state of every prefix"] * 30)
+    client = server.openai()
+    for _ in range(2):
+        client.completions.create(model="skippy-cache", prompt=prompt, max_tokens=4, temperature=0)
+
+    wait_for(lambda: loads(browser) > before_loads + 1, "a refresh after the requests")
+    after = wait_for(lambda: (t := browser.find_element(By.ID, "card-requests").text) != requests_card and t,
+                     "the request count change")
+    assert after.splitlines()[1] != requests_card.splitlines()[1]
+    # The second request reused the first's prompt: its entry holds cells, and it tops the list.
+    held = browser.find_elements(By.CSS_SELECTOR, "#strip > div.kind-2, #strip > div.kind-3")
+    assert held, "no column of the pool strip shows a cache entry"
+    top = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#top tr"), "a top prefix")
+    assert "the cache keeps the state" in top[0].text
+    misses = browser.find_element(By.ID, "misses").text
+    assert "never_seen" in misses
+    assert browser.find_element(By.ID, "error").text == ""
+
+
+def test_with_an_api_key_the_data_needs_it(browser: webdriver.Chrome) -> None:
+    for server in run_own_server(ServerSettings(ctx_size=512, lanes=1, cache_dir=None, api_key=API_KEY)):
+        assert httpx.get(f"{server.url}/v1/dashboard", timeout=30).status_code == 401
+        browser.get(f"{server.url}/dashboard")
+        login = wait_for(lambda: (f := browser.find_element(By.ID, "login")).is_displayed() and f, "the key form")
+        login.find_element(By.ID, "key").send_keys(API_KEY)
+        login.find_element(By.TAG_NAME, "button").click()
+        wait_for(lambda: loads(browser) >= 1, "the data once the key was given")
+        assert len(browser.find_elements(By.CSS_SELECTOR, "#strip > div")) == 512
