@@ -1,21 +1,27 @@
 """`skippy-cache bench` end to end on tiny sizes: one live skippy-cache server (a subprocess, as
 users run it) and one target on a closed port. Behaviour only: every workload is in the JSON,
 the dead target's requests are counted as failures while the run completes, the PNG is written.
-No timing is asserted: the machine is shared.
+The replicas workload runs on its own: two replicas with and without a shared Redis tier, then
+one server. No timing is asserted: the machine is shared.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from skippy_cache.bench import WORKLOADS, BenchConfig, Sizes, TargetSpec, bench, parse_url_option
+from skippy_cache.bench import replicas as replicas_module
 from skippy_cache.bench.cli import add_arguments, config_from_args
+from skippy_cache.bench.replicas import ReplicasError, configurations, find_redis_server
+from skippy_cache.bench.run import REPLICAS, planned_requests
 from skippy_cache.bench.targets import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -40,6 +46,12 @@ TINY = Sizes(
     zero_prompt_tokens=64,
     zero_max_tokens=2,
 )
+
+
+#: The replicas workload on few requests that still show sharing: each tenant's system prompt is
+#: longer than one stored chunk (256 tokens), the smallest unit the shared tier holds, and three
+#: tenants over two replicas put every tenant's second round on the other replica.
+TINY_REPLICAS = replace(TINY, tenants=3, tenant_system_tokens=320)
 
 
 @pytest.mark.model
@@ -121,6 +133,14 @@ def test_cli_options_map_to_config() -> None:
     with pytest.raises(ValueError, match="nothing to measure"):
         config_from_args(parser.parse_args(["--no-skippy"]))
 
+    # replicas is asked for by name, runs last, and needs no target of the run's own.
+    assert REPLICAS not in WORKLOADS
+    config = config_from_args(parser.parse_args(["--workloads", "replicas,chat", "--replicas", "3"]))
+    assert config.workloads == ["chat", REPLICAS] and config.replicas == 3
+    assert config_from_args(parser.parse_args(["--no-skippy", "--workloads", "replicas"])).replicas == 2
+    with pytest.raises(ValueError, match="--replicas"):
+        config_from_args(parser.parse_args(["--workloads", "replicas", "--replicas", "1"]))
+
 
 def test_bench_is_imported_only_when_bench_runs() -> None:
     code = (
@@ -133,3 +153,106 @@ def test_bench_is_imported_only_when_bench_runs() -> None:
         [sys.executable, "-m", "skippy_cache", "bench", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "--peer" in help_text and "--url" in help_text
+
+
+@pytest.mark.model
+def test_replicas_workload_shares_state_through_redis(tmp_path: Path) -> None:
+    config = BenchConfig(
+        specs=[],  # the workload starts its own servers
+        workloads=[REPLICAS],
+        sizes=TINY_REPLICAS,
+        ctx_size=2048,
+        out_dir=tmp_path,
+        timeout_s=60,
+        replicas=2,
+    )
+    outcome = bench(config, Console(quiet=True, width=150))
+
+    doc = json.loads(outcome.json_path.read_text())
+    measured = doc["measurements"]
+    assert doc["targets"] == [] and {m["workload"] for m in measured} == {REPLICAS}
+    assert all(m["ok"] for m in measured), [m["error"] for m in measured if not m["ok"]]
+    assert doc["failed_requests"] == 0
+    per_configuration = planned_requests(REPLICAS, TINY_REPLICAS, 1)
+    for name, servers in (("shared", {0, 1}), ("alone", {0, 1}), ("single", {0})):
+        ms = [m for m in measured if m["target"] == name]
+        assert len(ms) == per_configuration, name
+        assert {m["replica"] for m in ms} == servers, name  # round-robin over the configuration's servers
+        assert all(m["cache_source"] is not None for m in ms)
+
+    # Tenants' second rounds land on the other replica: with the shared tier, some restore from it.
+    shared = [m for m in measured if m["target"] == "shared"]
+    assert any(m["cache_source"] == "remote" for m in shared)
+    assert not any(m["cache_source"] == "remote" for m in measured if m["target"] != "shared")
+    figs = {f["name"]: f["values"] for f in doc["figures"] if f["workload"] == REPLICAS}
+    assert figs["tenants later rounds: cached share"]["shared"] > 0
+    assert figs["tenants later rounds: served from the shared tier"]["shared"] > 0
+    assert figs["tenants later rounds: served from the shared tier"]["alone"] == 0
+    assert all(figs["failed requests"][name] == 0 for name in ("shared", "alone", "single"))
+    assert {g["name"] for g in doc["goals"]} >= {
+        "replicas tenants: later p50, shared vs single",
+        "replicas tenants: later p50, alone vs shared",
+    }
+
+    part = doc["replicas"]
+    assert [c["name"] for c in part["configurations"]] == ["shared", "alone", "single"]
+    assert part["redis"]["after_shared"]["keys"] > 0
+    for c in part["configurations"]:
+        commands = [t["command"] for t in c["targets"]]
+        assert all(("--remote-cache" in cmd) == c["shared_tier"] for cmd in commands)
+        assert all(cmd[cmd.index("--cache-dir") + 1] == "none" for cmd in commands)
+    # Everything it started is stopped: Redis's port no longer answers.
+    port = int(part["redis"]["command"][part["redis"]["command"].index("--port") + 1])
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+    assert outcome.png_path.exists()
+
+
+def test_replica_threads_split_the_cores() -> None:
+    assert [(c.name, c.servers, c.threads, c.shared) for c in configurations(2, 2)] == [
+        ("shared", 2, 1, True),
+        ("alone", 2, 1, False),
+        ("single", 1, 2, False),
+    ]
+    assert [c.threads for c in configurations(2, 8)] == [4, 4, 8]
+    assert [c.threads for c in configurations(3, 8)] == [2, 2, 6]  # the same total as the replicas
+    assert [c.threads for c in configurations(4, 2)] == [1, 1, 2]  # never more than the cores
+
+
+def test_missing_redis_server_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replicas_module.shutil, "which", lambda _: None)
+    with pytest.raises(ReplicasError, match="apt-get install redis-server"):
+        find_redis_server()
+    config = BenchConfig(specs=[], workloads=[REPLICAS])
+    with pytest.raises(ReplicasError, match="redis-server"):
+        bench(config, Console(quiet=True))
+
+
+def test_replica_figures_and_goals_from_measurements() -> None:
+    from skippy_cache.bench.run import Measurement
+    from skippy_cache.bench.summary import replica_figures, replica_goals
+
+    def m(target: str, group: str, ttft: float, cached: int, source: str) -> Measurement:
+        return Measurement(REPLICAS, target, group, 0, True, ttft, ttft, 100, cached, 1, None, source, 0)
+
+    ms = []
+    for target, later_ttft, source in (("shared", 100.0, "remote"), ("alone", 1000.0, "none"),
+                                       ("single", 80.0, "ram")):
+        cached = 0 if source == "none" else 90
+        ms += [m(target, "tenants: round 1", 2000.0, 0, "none"), m(target, "chat: turn 1", 900.0, 0, "none")]
+        ms += [m(target, "tenants: later rounds", later_ttft, cached, source) for _ in range(2)]
+        ms += [m(target, f"chat: turn {t}", later_ttft, cached, source) for t in (2, 3)]
+    figs = {f.name: f.values for f in replica_figures(ms, ["shared", "alone", "single"])}
+    assert figs["tenants round 1: TTFT p50"]["shared"] == 2000.0
+    assert figs["chat later turns: TTFT p50"] == {"shared": 100.0, "alone": 1000.0, "single": 80.0}
+    assert figs["chat later turns: cached share"]["shared"] == 90.0  # turn 1 is not a later turn
+    remote = figs["tenants later rounds: served from the shared tier"]
+    assert remote == {"shared": 100.0, "alone": 0.0, "single": 0.0}
+    checks = {g.name: g.met for g in replica_goals(replica_figures(ms, ["shared", "alone", "single"]),
+                                                   "shared", "alone", "single")}
+    assert checks == {
+        "replicas tenants: later p50, shared vs single": True,  # 100 / 80 = 1.25x <= 1.5x
+        "replicas tenants: later p50, alone vs shared": True,  # 10x >= 5x
+        "replicas chat: later p50, shared vs single": True,
+        "replicas chat: later p50, alone vs shared": True,
+    }

@@ -8,6 +8,8 @@ import datetime as dt
 import os
 import platform
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,9 +21,29 @@ from rich.table import Table
 from skippy_cache.bench.client import BenchClient, Reply
 from skippy_cache.bench.llamaserver import ENV as LLAMA_SERVER_ENV
 from skippy_cache.bench.llamaserver import find_llama_server
-from skippy_cache.bench.report import render_table, write_chart, write_json
-from skippy_cache.bench.run import FULL, QUICK, WORKLOADS, Run, Sizes, planned_requests
-from skippy_cache.bench.summary import Goal, figures, goals, overheads
+from skippy_cache.bench.replicas import (
+    ALONE,
+    CONFIGURATIONS,
+    DEFAULT_REPLICAS,
+    SHARED,
+    SINGLE,
+    ReplicasError,
+    ReplicaSetup,
+    find_redis_server,
+    replicas,
+)
+from skippy_cache.bench.report import render_replicas_table, render_table, write_chart, write_json
+from skippy_cache.bench.run import (
+    ALL_WORKLOADS,
+    FULL,
+    QUICK,
+    REPLICAS,
+    WORKLOADS,
+    Run,
+    Sizes,
+    planned_requests,
+)
+from skippy_cache.bench.summary import Figure, Goal, figures, goals, overheads, replica_figures, replica_goals
 from skippy_cache.bench.targets import (
     LLAMA_SERVER,
     PEER_KINDS,
@@ -55,6 +77,8 @@ class BenchConfig:
     reference: str | None = None
     #: The llama-server binary for the llama-server peer (None: look it up or build it).
     llama_server: Path | None = None
+    #: Servers per configuration of the replicas workload.
+    replicas: int = DEFAULT_REPLICAS
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +122,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workloads",
         default=",".join(WORKLOADS),
-        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)",
+        help=f"comma-separated subset of {','.join(ALL_WORKLOADS)} (default: {','.join(WORKLOADS)}; "
+        f"{REPLICAS} starts its own servers and a redis-server, whatever the targets are)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=DEFAULT_REPLICAS,
+        metavar="N",
+        help=f"skippy-cache servers per configuration of the {REPLICAS} workload, with and without "
+        f"a shared tier (default {DEFAULT_REPLICAS}); it compares them with one server",
     )
     parser.add_argument(
         "--ctx-size",
@@ -151,11 +184,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = sorted(set(workloads) - set(WORKLOADS))
+    unknown = sorted(set(workloads) - set(ALL_WORKLOADS))
     if unknown or not workloads:
         raise ValueError(
-            f"--workloads: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(WORKLOADS)}"
+            f"--workloads: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(ALL_WORKLOADS)}"
         )
+    if args.replicas < 2:
+        raise ValueError("--replicas must be at least 2")
     specs: list[TargetSpec] = []
     if not args.no_skippy:
         specs.append(TargetSpec(SKIPPY, "skippy-cache"))
@@ -164,7 +199,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     specs += [TargetSpec(peer, peer) for peer in dict.fromkeys(args.peer)]
     specs += [parse_url_option(u) for u in args.url]
     labels = [s.label for s in specs]
-    if not specs:
+    if not specs and set(workloads) != {REPLICAS}:
         raise ValueError("nothing to measure: --no-skippy needs --url or --peer")
     if len(set(labels)) != len(labels):
         raise ValueError(f"target labels must differ: {labels}")
@@ -175,7 +210,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         sizes = replace(sizes, warm_repeats=args.runs)
     return BenchConfig(
         specs=specs,
-        workloads=[w for w in WORKLOADS if w in workloads],
+        workloads=[w for w in ALL_WORKLOADS if w in workloads],
         sizes=sizes,
         ctx_size=args.ctx_size,
         model=args.model,
@@ -184,15 +219,23 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         reference=args.reference,
         llama_server=args.llama_server,
+        replicas=args.replicas,
     )
 
 
 def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
-    """Start the targets, run the workloads, write the JSON and PNG, print the table."""
+    """Start the targets, run the workloads, write the JSON and PNG, print the tables.
+
+    The replicas workload runs last, once the targets have stopped: it starts servers of its own.
+    """
     console = console or Console()
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    on_targets = [w for w in config.workloads if w != REPLICAS]
+    specs = config.specs if on_targets else []
+    # Looked up before anything starts: a missing redis-server must not end a run minutes in.
+    redis_server = find_redis_server() if REPLICAS in config.workloads else None
     model = config.model
-    if model is None and any(s.kind != "url" for s in config.specs):
+    if model is None and (redis_server is not None or any(s.kind != "url" for s in specs)):
         from skippy_cache.runtime import default_model_path
 
         model = default_model_path()
@@ -205,31 +248,27 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
             f"[bold yellow]warning[/]: load average {load_before[0]:.2f} before starting: something else "
             "is using the CPU; llama.cpp timings under contention can be 100x off (JSON: machine.load)"
         )
-    console.print(
-        f"[bold]skippy-cache bench[/]: starting {len(config.specs)} target(s) "
-        f"(n_ctx {config.ctx_size}, model {model})"
-    )
-    llama_server = None
-    if any(s.kind == LLAMA_SERVER for s in config.specs):
-        llama_server = find_llama_server(config.llama_server, config.out_dir, console)
-    with running_targets(
-        config.specs,
-        model=model or Path(),
-        ctx_size=config.ctx_size,
-        log_dir=config.out_dir / f"logs-{stamp}",
-        llama_server=llama_server,
-    ) as targets:
-        for t in targets:
-            state = f"[red]NOT READY: {t.error}[/]" if t.error else "[green]ready[/]"
-            console.print(f"  {t.label:<28} {t.url:<24} {state}", highlight=False)
-        run = asyncio.run(_drive(config, targets, console))
+    log_dir = config.out_dir / f"logs-{stamp}"
+    targets: list[Target] = []
+    run: Run | None = None
+    if on_targets:
+        targets, run = _measure_targets(config, specs, on_targets, model, log_dir, console)
+    replica_run: Run | None = None
+    replica_part: dict[str, Any] | None = None
+    if redis_server is not None:
+        setup = ReplicaSetup(config.replicas, model or Path(), config.ctx_size, log_dir, redis_server)
+        replica_run, replica_part = asyncio.run(_drive_replicas(config, setup, run, console))
+    recorded = run or replica_run
+    assert recorded is not None, "config_from_args leaves at least one workload"
     labels = [t.label for t in targets]
-    reference = config.reference or (SKIPPY if SKIPPY in labels else labels[0])
-    figs = figures(run.measurements, run.spans, labels, config.sizes, config.workloads)
+    reference = config.reference or (SKIPPY if SKIPPY in labels else labels[0] if labels else None)
+    figs = figures(recorded.measurements, recorded.spans, labels, config.sizes, on_targets)
     off = SKIPPY_OFF if SKIPPY_OFF in labels else None
     peer_labels = [t.label for t in targets if t.kind in PEER_KINDS or t.kind == "url"]
-    checks = goals(figs, config.sizes, reference, off, peer_labels)
-    failed = sum(not m.ok for m in run.measurements)
+    checks = goals(figs, config.sizes, reference, off, peer_labels) if reference else []
+    replica_figs = replica_figures(recorded.measurements, list(CONFIGURATIONS)) if replica_part else []
+    checks += replica_goals(replica_figs, SHARED, ALONE, SINGLE)
+    failed = sum(not m.ok for m in recorded.measurements)
     document = {
         "created": dt.datetime.now().isoformat(timespec="seconds"),
         "command": sys.argv,
@@ -248,23 +287,27 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
             "sizes": asdict(config.sizes),
             "reference": reference,
         },
-        "calibration": run.calibration,
+        "calibration": run.calibration if run else None,
         "targets": [t.describe() for t in targets],
-        "figures": [f.to_json() for f in figs],
-        "zero_overhead": overheads(figs, reference, off) if off else None,
+        "figures": [f.to_json() for f in figs + replica_figs],
+        "zero_overhead": overheads(figs, reference, off) if reference and off else None,
         "goals": [g.to_json() for g in checks],
         "failed_requests": failed,
-        "spans": [s.to_json() for s in run.spans],
-        "measurements": [m.to_json() for m in run.measurements],
+        # The replicas workload: its configurations, servers, Redis and calibration (its figures
+        # are in "figures", workload "replicas", one value per configuration).
+        "replicas": replica_part,
+        "spans": [s.to_json() for s in recorded.spans],
+        "measurements": [m.to_json() for m in recorded.measurements],
     }
     json_path = config.out_dir / f"bench-{stamp}.json"
     png_path = config.out_dir / f"bench-{stamp}.png"
     write_json(json_path, document)
-    write_chart(png_path, figs, labels, config.workloads)
-    console.print(
-        render_table(figs, labels, reference, f"skippy-cache bench ({len(run.measurements)} requests)")
-    )
-    if off is not None:
+    chart_labels = labels + ([*CONFIGURATIONS] if replica_part else [])
+    write_chart(png_path, figs + replica_figs, chart_labels, config.workloads)
+    if reference is not None:
+        count = sum(m.workload != REPLICAS for m in recorded.measurements)
+        console.print(render_table(figs, labels, reference, f"skippy-cache bench ({count} requests)"))
+    if reference is not None and off is not None:
         cost = overheads(figs, reference, off)
         if cost["throughput_loss_pct"] is not None and cost["ttft_p50_overhead_pct"] is not None:
             console.print(
@@ -272,17 +315,78 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
                 f"TTFT p50 {cost['ttft_p50_overhead_pct']:+.1f}%",
                 highlight=False,
             )
+    if replica_part is not None:
+        console.print(_replicas_table(replica_figs, replica_part, recorded))
     if checks:
         console.print(_goals_table(checks))
     if failed:
         console.print(f"[bold red]{failed} request(s) failed[/]; first errors:")
-        for m in [m for m in run.measurements if not m.ok][:5]:
+        for m in [m for m in recorded.measurements if not m.ok][:5]:
             console.print(f"  {m.workload}/{m.target}/{m.group}: {m.error}", highlight=False, markup=False)
     console.print(f"JSON: {json_path}\nPNG:  {png_path}")
     return BenchOutcome(json_path, png_path, document)
 
 
-async def _drive(config: BenchConfig, targets: list[Target], console: Console) -> Run:
+def _measure_targets(
+    config: BenchConfig,
+    specs: list[TargetSpec],
+    workloads: list[str],
+    model: Path | None,
+    log_dir: Path,
+    console: Console,
+) -> tuple[list[Target], Run]:
+    """Start the targets, run `workloads` on them, stop them."""
+    console.print(
+        f"[bold]skippy-cache bench[/]: starting {len(specs)} target(s) "
+        f"(n_ctx {config.ctx_size}, model {model})"
+    )
+    llama_server = None
+    if any(s.kind == LLAMA_SERVER for s in specs):
+        llama_server = find_llama_server(config.llama_server, config.out_dir, console)
+    with running_targets(
+        specs,
+        model=model or Path(),
+        ctx_size=config.ctx_size,
+        log_dir=log_dir,
+        llama_server=llama_server,
+    ) as targets:
+        for t in targets:
+            state = f"[red]NOT READY: {t.error}[/]" if t.error else "[green]ready[/]"
+            console.print(f"  {t.label:<28} {t.url:<24} {state}", highlight=False)
+        run = asyncio.run(_drive(config, targets, workloads, console))
+    return targets, run
+
+
+def _replicas_table(figs: list[Figure], part: dict[str, Any], run: Run) -> Table:
+    headers = {c["name"]: f"{c['name']}\n{c['summary']}" for c in part["configurations"]}
+    count = sum(m.workload == REPLICAS for m in run.measurements)
+    title = f"replicas workload ({count} requests; tenants and chat traffic, round-robin over the servers)"
+    return render_replicas_table(figs, headers, SHARED, ALONE, SINGLE, title)
+
+
+@contextmanager
+def _progress(console: Console, total: int) -> Iterator[Callable[[str, str, Reply], None]]:
+    """A progress bar over `total` requests; yields the `Run.on_request` that advances it."""
+    columns = (
+        TextColumn("{task.description:<34}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("[red]{task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+    )
+    failures = 0
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("starting", total=total, failed=0)
+
+        def on_request(workload: str, label: str, reply: Reply) -> None:
+            nonlocal failures
+            failures += not reply.ok
+            progress.update(task, advance=1, failed=failures, description=f"{workload} · {label}")
+
+        yield on_request
+
+
+async def _drive(config: BenchConfig, targets: list[Target], workloads: list[str], console: Console) -> Run:
     async with BenchClient(config.timeout_s, max_connections=4 * max(1, config.sizes.concurrency)) as client:
         run = Run(client=client, targets=targets, sizes=config.sizes, seed=config.seed)
         calibration = await calibrate(run)
@@ -291,27 +395,30 @@ async def _drive(config: BenchConfig, targets: list[Target], console: Console) -
             f"on {calibration['target']} -> {run.tokens_per_word:.3f} tokens/word",
             highlight=False,
         )
-        total = sum(planned_requests(w, config.sizes, len(run.targets_for(w))) for w in config.workloads)
-        failures = 0
-        columns = (
-            TextColumn("{task.description:<34}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("[red]{task.fields[failed]} failed"),
-            TimeElapsedColumn(),
-        )
-        with Progress(*columns, console=console) as progress:
-            task = progress.add_task("starting", total=total, failed=0)
-
-            def on_request(workload: str, label: str, reply: Reply) -> None:
-                nonlocal failures
-                failures += not reply.ok
-                progress.update(task, advance=1, failed=failures, description=f"{workload} · {label}")
-
+        total = sum(planned_requests(w, config.sizes, len(run.targets_for(w))) for w in workloads)
+        with _progress(console, total) as on_request:
             run.on_request = on_request
-            for workload in config.workloads:
+            for workload in workloads:
                 await WORKLOAD_FUNCTIONS[workload](run)
         return run
+
+
+async def _drive_replicas(
+    config: BenchConfig, setup: ReplicaSetup, before: Run | None, console: Console
+) -> tuple[Run, dict[str, Any]]:
+    """Run the replicas workload; its requests join `before`'s measurements (one JSON list)."""
+    async with BenchClient(config.timeout_s, max_connections=4 * max(1, config.sizes.concurrency)) as client:
+        run = Run(client=client, targets=[], sizes=config.sizes, seed=config.seed)
+        if before is not None:
+            run.measurements, run.spans = before.measurements, before.spans
+        console.print(
+            f"[bold]replicas workload[/]: {', '.join(CONFIGURATIONS)} one after another, "
+            f"{setup.replicas} replicas (n_ctx {config.ctx_size}, model {setup.model})"
+        )
+        with _progress(console, planned_requests(REPLICAS, config.sizes, len(CONFIGURATIONS))) as on_request:
+            run.on_request = on_request
+            part = await replicas(run, setup, lambda line: console.print(line, highlight=False, markup=False))
+        return run, part
 
 
 def _goals_table(checks: list[Goal]) -> Table:
@@ -334,7 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="skippy-cache bench",
         description="Benchmark skippy-cache against the servers its users would otherwise run: the warm, "
-        "tenants, chat and zero workloads of issue 5, streamed, TTFT at the first streamed token.",
+        "tenants, chat and zero workloads of issue 5, streamed, TTFT at the first streamed token; "
+        "the replicas workload (when asked for) measures skippy-cache replicas with and without a "
+        "shared tier.",
     )
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -345,5 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 150))  # a log file: room for every target's column
-    bench(config, console)
+    try:
+        bench(config, console)
+    except ReplicasError as exc:
+        console.print(f"[bold red]error[/]: {exc}", highlight=False)
+        return 2
     return 0

@@ -7,6 +7,8 @@ model's first token was end-of-text) takes its TTFT from that chunk instead, sin
 the first token's result. Usage comes from the final chunk (`stream_options.include_usage`);
 servers that do not stream usage (llama-cpp-python's) leave the token counts `None`. llama.cpp's
 llama-server also reports `timings.cache_n`, read as the cached-token count when `usage` has none.
+skippy-cache adds a top-level `skippy_cache` object to the chunk with usage; its `source` says
+which tier the reused state came from (resident, ram, disk, remote, or none).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Reply:
     cached_tokens: int | None
     completion_tokens: int | None
     error: str | None = None
+    #: skippy-cache's `skippy_cache.source` (None: the server does not say).
+    cache_source: str | None = None
 
 
 class BenchClient:
@@ -90,6 +94,7 @@ class _StreamState:
         self.text: list[str] = []
         self.usage: dict[str, Any] | None = None
         self.cache_n: int | None = None
+        self.cache_source: str | None = None
         self.error: str | None = None
         self.done = False
 
@@ -109,6 +114,9 @@ class _StreamState:
                 self.finish_ms = now_ms
         if chunk.get("usage"):
             self.usage = chunk["usage"]
+        answer = chunk.get("skippy_cache")
+        if isinstance(answer, dict) and isinstance(answer.get("source"), str):
+            self.cache_source = answer["source"]
         timings = chunk.get("timings")
         if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
             self.cache_n = timings["cache_n"]
@@ -147,4 +155,5 @@ class _StreamState:
             prompt,
             cached,
             usage.get("completion_tokens"),
+            cache_source=self.cache_source,
         )

@@ -11,7 +11,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from skippy_cache.bench.summary import Figure
+from skippy_cache.bench.summary import ALONE_VS_SHARED, SHARED_VS_SINGLE, Figure
 
 _FORMATS = {
     "ms": "{:.1f} ms",
@@ -62,6 +62,49 @@ def render_table(figs: list[Figure], labels: list[str], reference: str, title: s
             *(_cell(fig, label, reference) for label in labels),
         )
         last = fig.workload
+    return table
+
+
+def _value(fig: Figure, label: str) -> Text:
+    """A figure's value for one column, without a ratio."""
+    value = fig.values.get(label)
+    if value is None:
+        return Text("n/a", style="dim")
+    text = Text(_FORMATS.get(fig.unit, "{:g}").format(value))
+    if fig.unit == "count":
+        text.stylize("bold red" if value > 0 else "green")
+    return text
+
+
+def _ratio(fig: Figure, top: str, bottom: str) -> Text:
+    """top / bottom for TTFT rows (where the issue's goals are ratios), blank for the others."""
+    a, b = fig.values.get(top), fig.values.get(bottom)
+    if fig.unit != "ms" or a is None or not b:
+        return Text("")
+    return Text(f"{a / b:.2f}x")
+
+
+def render_replicas_table(
+    figs: list[Figure], headers: dict[str, str], shared: str, alone: str, single: str, title: str
+) -> Table:
+    """The replicas workload: its configurations side by side, then the two ratios its goals are on."""
+    caption = (
+        f"goals on later-round TTFT p50: {shared} / {single} <= {SHARED_VS_SINGLE:g}x, "
+        f"{alone} / {shared} >= {ALONE_VS_SHARED:g}x"
+    )
+    table = Table(title=title, caption=caption, header_style="bold")
+    table.add_column("figure")
+    for label in (shared, alone, single):
+        table.add_column(headers.get(label, label), justify="right")
+    table.add_column(f"{shared} / {single}", justify="right")
+    table.add_column(f"{alone} / {shared}", justify="right")
+    for fig in figs:
+        table.add_row(
+            fig.name,
+            *(_value(fig, label) for label in (shared, alone, single)),
+            _ratio(fig, shared, single),
+            _ratio(fig, alone, shared),
+        )
     return table
 
 

@@ -1,7 +1,8 @@
 """One bench run's shared state: the sizes, the targets, the client, and every measurement taken.
 
 The workloads (workloads.py) only call `Run.request`, which sends one streamed request, records
-its `Measurement` whatever happened, and advances the progress bar.
+its `Measurement` whatever happened, and advances the progress bar. A request may go to one
+`Target` or to a `Replicas` group, which hands it to one of its servers by the request's index.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from typing import Any
 from skippy_cache.bench.client import BenchClient, Reply
 from skippy_cache.bench.targets import Target
 
+#: The default workloads, run on the targets (the issue's order).
 WORKLOADS = ("warm", "tenants", "chat", "zero")
+#: Starts its own servers (replicas.py) and is run only when asked for: it needs redis-server
+#: and restarts servers for each of its configurations.
+REPLICAS = "replicas"
+ALL_WORKLOADS = (*WORKLOADS, REPLICAS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +80,10 @@ class Measurement:
     cached_tokens: int | None
     completion_tokens: int | None
     error: str | None
+    #: Where skippy-cache took the reused state from (`skippy_cache.source`; None: not said).
+    cache_source: str | None = None
+    #: The replicas workload: which of the configuration's servers answered (0-based).
+    replica: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,6 +101,19 @@ class Span:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(slots=True)
+class Replicas:
+    """Servers measured as one: request i goes to server i mod N (the replicas workload's configurations)."""
+
+    label: str
+    members: list[Target]
+
+    def member(self, index: int) -> tuple[int, Target]:
+        """The server that takes the request with this index, and its number."""
+        n = index % len(self.members)
+        return n, self.members[n]
 
 
 @dataclass(slots=True)
@@ -113,11 +136,19 @@ class Run:
         return [t for t in self.targets if workload == "zero" or t.kind != "skippy-cache-off"]
 
     async def request(
-        self, workload: str, target: Target, group: str, path: str, body: dict[str, Any]
+        self,
+        workload: str,
+        target: Target | Replicas,
+        group: str,
+        path: str,
+        body: dict[str, Any],
+        index: int = 0,
     ) -> Reply:
-        if target.model_id is not None:
-            body = {"model": target.model_id, **body}
-        reply = await self.client.stream(target.url, path, body)
+        """Send one request and record it; `index` picks the server of a `Replicas` target."""
+        replica, server = target.member(index) if isinstance(target, Replicas) else (None, target)
+        if server.model_id is not None:
+            body = {"model": server.model_id, **body}
+        reply = await self.client.stream(server.url, path, body)
         self.measurements.append(
             Measurement(
                 workload,
@@ -131,12 +162,16 @@ class Run:
                 reply.cached_tokens,
                 reply.completion_tokens,
                 reply.error,
+                reply.cache_source,
+                replica,
             )
         )
         self.on_request(workload, target.label, reply)
         return reply
 
-    def span(self, workload: str, target: Target, group: str, started: float, requests: int) -> None:
+    def span(
+        self, workload: str, target: Target | Replicas, group: str, started: float, requests: int
+    ) -> None:
         """Record the wall time since `started` (a `time.perf_counter()` value)."""
         self.spans.append(
             Span(workload, target.label, group, (time.perf_counter() - started) * 1000, requests)
@@ -153,4 +188,6 @@ def planned_requests(workload: str, sizes: Sizes, n_targets: int) -> int:
         return sizes.chat_conversations * sizes.chat_turns * n_targets
     if workload == "zero":
         return sizes.zero_prompts * sizes.zero_blocks * n_targets
-    raise ValueError(f"unknown workload {workload!r} (known: {', '.join(WORKLOADS)})")
+    if workload == REPLICAS:  # n_targets: its configurations, each sent the tenants and chat traffic
+        return (planned_requests("tenants", sizes, 1) + planned_requests("chat", sizes, 1)) * n_targets
+    raise ValueError(f"unknown workload {workload!r} (known: {', '.join(ALL_WORKLOADS)})")

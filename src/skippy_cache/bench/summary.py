@@ -1,4 +1,5 @@
-"""Figures from raw measurements: the rows of the report's table, one value per target.
+"""Figures from raw measurements: the rows of the report's table, one value per target (for the
+replicas workload, one per configuration).
 
 A figure over failed requests uses only the successful ones; the failures get their own row
 per workload, so a fast-looking figure built on few successes is visible as such. A value is
@@ -11,7 +12,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from skippy_cache.bench.run import Measurement, Sizes, Span
+from skippy_cache.bench.run import REPLICAS, Measurement, Sizes, Span
 from skippy_cache.bench.targets import LLAMA_SERVER
 
 
@@ -262,4 +263,75 @@ def _against_llama_server(
     compare("tenants", "later rounds: TTFT p50", 0.5, "tenants later-round p50")
     compare("tenants", "later rounds: TTFT p90", 0.5, "tenants later-round p90")
     compare("zero", "requests per second", 1.0, "zero throughput", higher=True)
+    return out
+
+
+#: The replicas workload's two kinds of traffic: (group prefix, first group, name of the rest).
+_REPLICA_TRAFFIC = (("tenants", "round 1", "later rounds"), ("chat", "turn 1", "later turns"))
+#: The replicas workload's goals: later-round TTFT p50 with the shared tier at most this many
+#: times the single server's, and replicas without it at least this many times slower.
+SHARED_VS_SINGLE = 1.5
+ALONE_VS_SHARED = 5.0
+
+
+def _from_remote(ms: list[Measurement]) -> float | None:
+    """Requests whose reused state came from the shared tier, in percent of those that say where."""
+    said = [m for m in ms if m.ok and m.cache_source is not None]
+    return 100.0 * sum(m.cache_source == "remote" for m in said) / len(said) if said else None
+
+
+def _later(ms: list[Measurement], traffic: str, first: str) -> list[Measurement]:
+    """The requests of `traffic` after its first round (tenants) or turn (chat)."""
+    return [m for m in ms if m.group.startswith(f"{traffic}: ") and m.group != f"{traffic}: {first}"]
+
+
+def _replica_rows(ms: list[Measurement]) -> list[Row]:
+    """One configuration's figures: per traffic, the first round's p50, then the later rounds'."""
+    rows: list[Row] = []
+    for traffic, first, rest in _REPLICA_TRAFFIC:
+        later = _later(ms, traffic, first)
+        opening = _ttfts(_group(ms, f"{traffic}: {first}"))
+        rows += [
+            (f"{traffic} {first}: TTFT p50", "ms", "lower", percentile(opening, 50)),
+            (f"{traffic} {rest}: TTFT p50", "ms", "lower", percentile(_ttfts(later), 50)),
+            (f"{traffic} {rest}: TTFT p90", "ms", "lower", percentile(_ttfts(later), 90)),
+            (f"{traffic} {rest}: cached share", "%", "higher", _cached_share(later)),
+            (f"{traffic} {rest}: served from the shared tier", "%", "", _from_remote(later)),
+        ]
+    rows.append(("failed requests", "count", "", float(sum(not m.ok for m in ms))))
+    return rows
+
+
+def replica_figures(measurements: list[Measurement], configurations: list[str]) -> list[Figure]:
+    """The replicas workload's rows, one value per configuration (its measurements' `target`)."""
+    rows = {
+        name: _replica_rows([m for m in measurements if m.workload == REPLICAS and m.target == name])
+        for name in configurations
+    }
+    if not rows:
+        return []
+    first = next(iter(rows.values()))
+    return [
+        Figure(REPLICAS, name, unit, better, {c: r[i][3] for c, r in rows.items()})
+        for i, (name, unit, better, _) in enumerate(first)
+    ]
+
+
+def replica_goals(figs: list[Figure], shared: str, alone: str, single: str) -> list[Goal]:
+    """The issue's goals for replicas sharing a tier, on later-round TTFT p50 of each traffic."""
+    out: list[Goal] = []
+    for traffic, _, rest in _REPLICA_TRAFFIC:
+        row = f"{traffic} {rest}: TTFT p50"
+        values = next((f.values for f in figs if f.workload == REPLICAS and f.name == row), {})
+        with_tier, without, one = values.get(shared), values.get(alone), values.get(single)
+        if with_tier and one:
+            ratio = with_tier / one
+            got = f"{with_tier:.0f} / {one:.0f} ms = {ratio:.2f}x"
+            name = f"replicas {traffic}: later p50, {shared} vs {single}"
+            out.append(Goal(name, f"<= {SHARED_VS_SINGLE:g}x", got, ratio <= SHARED_VS_SINGLE))
+        if with_tier and without:
+            ratio = without / with_tier
+            got = f"{without:.0f} / {with_tier:.0f} ms = {ratio:.2f}x"
+            name = f"replicas {traffic}: later p50, {alone} vs {shared}"
+            out.append(Goal(name, f">= {ALONE_VS_SHARED:g}x", got, ratio >= ALONE_VS_SHARED))
     return out

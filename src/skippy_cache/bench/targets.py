@@ -192,7 +192,8 @@ def _model_id(url: str) -> str | None:
     return data[0].get("id") if data and isinstance(data[0], dict) else None
 
 
-def _stop(target: Target) -> None:
+def stop(target: Target) -> None:
+    """SIGTERM (the server drains and exits), SIGKILL if it is still running 30 s later."""
     proc = target.process
     if proc is None or proc.poll() is not None:
         return
@@ -202,6 +203,26 @@ def _stop(target: Target) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(30)
+
+
+def launch(label: str, kind: str, command: list[str], log_path: Path, port: int) -> Target:
+    """Start one server in the background (its output to `log_path`); `wait_ready` waits for it."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_clean_env()
+        )
+    return Target(label, kind, f"http://127.0.0.1:{port}", command, log_path, process=proc)
+
+
+def wait_ready(targets: list[Target]) -> None:
+    """Wait for every target (one shared deadline, so servers starting together load in parallel);
+    sets each one's `error` or `model_id`."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    for target in targets:
+        target.error = _wait_ready(target, deadline)
+        if target.error is None:
+            target.model_id = _model_id(target.url)
 
 
 @contextmanager
@@ -221,22 +242,11 @@ def running_targets(
             # A fresh disk tier per run: a store kept from an earlier run has seen this run's prompts.
             store_dir = Path(tempfile.mkdtemp(prefix="store-", dir=log_dir)) if spec.kind == "skippy-cache" else None
             command = server_command(spec.kind, port, model, ctx_size, llama_server, store_dir)
-            log_path = log_dir / f"{spec.kind}.log"
-            with log_path.open("wb") as log:
-                proc = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_clean_env()
-                )
-            targets.append(
-                Target(spec.label, spec.kind, f"http://127.0.0.1:{port}", command, log_path, process=proc)
-            )
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for target in targets:
-            target.error = _wait_ready(target, deadline)
-            if target.error is None:
-                target.model_id = _model_id(target.url)
+            targets.append(launch(spec.label, spec.kind, command, log_dir / f"{spec.kind}.log", port))
+        wait_ready(targets)
         yield targets
     finally:
         for target in targets:
-            _stop(target)
+            stop(target)
         for store_dir in log_dir.glob("store-*"):
             shutil.rmtree(store_dir, ignore_errors=True)

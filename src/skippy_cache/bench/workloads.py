@@ -1,5 +1,8 @@
 """The four workloads of issue 5, each a coroutine over a `Run`'s targets.
 
+The tenants and chat traffic are also sent, unchanged, to groups of replicas (`tenant_rounds` and
+`conversations` take a `Replicas` target and a group prefix; replicas.py drives them).
+
 Every request streams, sets temperature 0, and is recorded by `Run.request` whether it succeeds
 or not; a target that is down costs one failed request per planned request, never a crash.
 Prompt text depends only on the run's seed, so every target sees the same prompts.
@@ -12,7 +15,7 @@ import random
 import time
 from collections.abc import Awaitable, Iterable
 
-from skippy_cache.bench.run import Run
+from skippy_cache.bench.run import Replicas, Run
 from skippy_cache.bench.targets import Target
 from skippy_cache.bench.text import WORDS, passage, words_for
 
@@ -73,32 +76,44 @@ async def tenants(run: Run) -> None:
     Each round ends before the next starts, so "round 1" is every tenant's first request and
     "later rounds" are repeats of a system prompt the server has seen.
     """
+    for target in run.targets_for("tenants"):
+        await tenant_rounds(run, target)
+
+
+async def tenant_rounds(
+    run: Run, target: Target | Replicas, workload: str = "tenants", prefix: str = ""
+) -> None:
+    """The tenants traffic on one target, its groups named `prefix` + "round 1" / "later rounds".
+
+    Tenant k's request of round r has index k + r: a `Replicas` target sends a tenant's
+    consecutive rounds to different servers, and each round's requests to all of them.
+    """
     s = run.sizes
     systems = [
         passage(f"{run.seed}:tenant:{k}", words_for(s.tenant_system_tokens, run.tokens_per_word))
         for k in range(s.tenants)
     ]
-    for target in run.targets_for("tenants"):
-        started = time.perf_counter()
-        for r in range(s.tenant_rounds):
-            group = "round 1" if r == 0 else "later rounds"
-            jobs = []
-            for k, system in enumerate(systems):
-                question = passage(f"{run.seed}:question:{k}:{r}", s.tenant_question_words).rstrip(".") + "?"
-                body = {
-                    "messages": [
-                        {"role": "system", "content": system},
-                        {"role": "user", "content": question},
-                    ],
-                    "max_tokens": 1,
-                    "temperature": 0,
-                }
-                jobs.append(run.request("tenants", target, group, CHAT, body))
-            await _bounded(s.concurrency, jobs)
-        run.span("tenants", target, "all rounds", started, s.tenants * s.tenant_rounds)
+    started = time.perf_counter()
+    for r in range(s.tenant_rounds):
+        group = prefix + ("round 1" if r == 0 else "later rounds")
+        jobs = []
+        for k, system in enumerate(systems):
+            question = passage(f"{run.seed}:question:{k}:{r}", s.tenant_question_words).rstrip(".") + "?"
+            body = {
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ],
+                "max_tokens": 1,
+                "temperature": 0,
+            }
+            jobs.append(run.request(workload, target, group, CHAT, body, index=k + r))
+        await _bounded(s.concurrency, jobs)
+    run.span(workload, target, prefix + "all rounds", started, s.tenants * s.tenant_rounds)
 
 
-async def _conversation(run: Run, target: Target, c: int) -> None:
+async def _conversation(run: Run, target: Target | Replicas, c: int, workload: str, prefix: str) -> None:
+    """Conversation c; its turn t has index c + t (a `Replicas` target alternates its turns' servers)."""
     s = run.sizes
     system = passage(f"{run.seed}:chat-system:{c}", words_for(s.chat_system_tokens, run.tokens_per_word))
     messages = [{"role": "system", "content": system}]
@@ -106,7 +121,7 @@ async def _conversation(run: Run, target: Target, c: int) -> None:
         user = passage(f"{run.seed}:chat:{c}:{turn}", words_for(s.chat_user_tokens, run.tokens_per_word))
         messages.append({"role": "user", "content": user + " What do you make of this?"})
         body = {"messages": list(messages), "max_tokens": s.chat_max_tokens, "temperature": 0}
-        reply = await run.request("chat", target, f"turn {turn + 1}", CHAT, body)
+        reply = await run.request(workload, target, f"{prefix}turn {turn + 1}", CHAT, body, index=c + turn)
         # A failed turn still leaves a turn in the history, so the next turn is the same size
         # class and is measured (and counted) rather than skipped.
         messages.append(
@@ -116,11 +131,19 @@ async def _conversation(run: Run, target: Target, c: int) -> None:
 
 async def chat(run: Run) -> None:
     """Conversations of several turns, each turn resending the whole history; C at once."""
-    s = run.sizes
     for target in run.targets_for("chat"):
-        started = time.perf_counter()
-        await _bounded(s.concurrency, (_conversation(run, target, c) for c in range(s.chat_conversations)))
-        run.span("chat", target, "all turns", started, s.chat_conversations * s.chat_turns)
+        await conversations(run, target)
+
+
+async def conversations(
+    run: Run, target: Target | Replicas, workload: str = "chat", prefix: str = ""
+) -> None:
+    """The chat traffic on one target, its groups named `prefix` + "turn N"."""
+    s = run.sizes
+    started = time.perf_counter()
+    jobs = (_conversation(run, target, c, workload, prefix) for c in range(s.chat_conversations))
+    await _bounded(s.concurrency, jobs)
+    run.span(workload, target, prefix + "all turns", started, s.chat_conversations * s.chat_turns)
 
 
 async def zero(run: Run) -> None:
