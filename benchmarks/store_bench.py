@@ -134,7 +134,7 @@ def run(engine: Engine, toks: list[int], max_tokens: int = 1):
 def settle(engine: Engine) -> None:
     """Reused entries exported (the engine does it when idle), every entry out of the pool into the
     store, and the writer done."""
-    while engine.call(lambda: engine.cache.idle_work_left):
+    while engine.call(lambda: engine.cache.persist_left):
         time.sleep(0.02)
     engine.call(engine.cache.drop_resident)
     assert engine.cache.store is not None and engine.cache.store.drain(120)

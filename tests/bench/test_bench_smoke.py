@@ -49,7 +49,7 @@ TINY = Sizes(
 
 
 #: The replicas workload on few requests that still show sharing: each tenant's system prompt is
-#: longer than one stored chunk (256 tokens), the smallest unit the shared tier holds, and three
+#: longer than a few stored chunks (64 tokens), the smallest unit the shared tier holds, and three
 #: tenants over two replicas put every tenant's second round on the other replica.
 TINY_REPLICAS = replace(TINY, tenants=3, tenant_system_tokens=320)
 

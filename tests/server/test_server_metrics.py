@@ -127,7 +127,7 @@ def test_cache_endpoint_reports_budgets_and_stats(server: LiveServer) -> None:
     assert budgets["max_resident_tokens"] == 0  # no token cap below an 8192-cell context
     assert budgets["min_tokens"] == 64 and budgets["stride_tokens"] == 128 and budgets["record_limit"] == 2
     assert budgets["host_cache_bytes"] == server.engine.info.host_cache_bytes > 0
-    assert budgets["idle_tokens"] == 256 and budgets["chunk_tokens"] == 256 and budgets["cache_dir"] is None
+    assert budgets["idle_tokens"] == 256 and budgets["chunk_tokens"] == 64 and budgets["cache_dir"] is None
     assert report["pool"]["n_ctx"] == server.engine.info.n_ctx
     for key in ("entries", "resident_tokens", "records", "evictions"):
         assert key in report["resident"]
@@ -147,7 +147,9 @@ def test_cache_endpoint_reports_budgets_and_stats(server: LiveServer) -> None:
 @pytest.fixture(scope="module")
 def store_server() -> Iterator[LiveServer]:
     # A prompt answered with one token records one entry: the whole prompt, with its first-token logits.
-    settings = ServerSettings(ctx_size=1024, lanes=1, queue_size=4, host_cache_mib=HOST_MIB, idle_tokens=IDLE_TOKENS)
+    # Chunks of 256: the test's prompt is shorter than one, so its entry is stored as one chunk (its tail).
+    settings = ServerSettings(ctx_size=1024, lanes=1, queue_size=4, host_cache_mib=HOST_MIB, idle_tokens=IDLE_TOKENS,
+                              chunk_tokens=256)
     yield from run_own_server(settings)
 
 

@@ -33,12 +33,12 @@ def test_defaults() -> None:
     assert (s.host, s.port, s.ctx_size, s.lanes) == ("127.0.0.1", 8000, 8192, 4)
     assert (s.queue_size, s.api_key) == (64, None)
     assert s.cache.mode is StageKvCacheMode.AUTO and s.cache.min_tokens == 64
-    assert (s.host_cache_mib, s.idle_tokens, s.disk_cache_mib, s.chunk_tokens) == (None, 256, 10240, 256)
+    assert (s.host_cache_mib, s.idle_tokens, s.disk_cache_mib, s.chunk_tokens) == (None, 256, 10240, 64)
     engine = s.engine_config()
     # RAM tier: None lets the engine size it from the machine, as it does by default.
     assert (engine.host_cache_bytes, engine.idle_tokens) == (None, 256)
     assert engine.host_cache_bytes == EngineConfig().host_cache_bytes
-    assert (engine.cache_dir, engine.disk_cache_bytes, engine.chunk_tokens) == (s.cache_dir, 10240 * MIB, 256)
+    assert (engine.cache_dir, engine.disk_cache_bytes, engine.chunk_tokens) == (s.cache_dir, 10240 * MIB, 64)
 
 
 def test_store_options(tmp_path: Path) -> None:

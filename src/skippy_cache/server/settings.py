@@ -67,7 +67,7 @@ class ServerSettings:
     #: The store's disk tier (None: none). `load_settings` defaults it to the user's cache directory.
     cache_dir: Path | None = None
     disk_cache_mib: int = 10240
-    chunk_tokens: int = 256
+    chunk_tokens: int = 64
     #: Demote an entry once the pool decodes this many tokens without using it (0: only under pressure).
     idle_tokens: int = 256
     #: The dashboard shows the first words of its top prefixes (off: only their figures).
@@ -262,7 +262,7 @@ OPTIONS: tuple[Option, ...] = (
            "disk tier budget in MiB; it also keeps 1 GiB of the filesystem free (default 10240)", "N"),
     Option("chunk_tokens", "--chunk-tokens", "SKIPPY_CHUNK_TOKENS", "chunk_tokens", _chunk_tokens,
            "tokens per stored chunk, a multiple of 64: prompts that share a prefix share its chunks "
-           "(default 256)", "N"),
+           "(default 64)", "N"),
     Option("idle_tokens", "--idle-tokens", "SKIPPY_IDLE_TOKENS", "idle_tokens", _int(0),
            "move an entry from the pool to the store once the pool has decoded this many tokens without "
            "using it; 0: only when its cells are needed (default 256)", "N"),
