@@ -31,10 +31,12 @@ test: setup system-packages
 	$(PY) -m pytest
 
 # Real servers in tests: the shared tier's run a Redis server (redis-server; redis-cli makes a
-# cluster), the dashboard's a headless Chromium driven by Selenium (chromium, chromium-driver).
-SYSTEM_PACKAGES := redis-server chromium chromium-driver
+# cluster; openssl makes a certificate for TLS), the dashboard's a headless Chromium driven by
+# Selenium (chromium, chromium-driver).
+SYSTEM_PACKAGES := redis-server openssl chromium chromium-driver
 system-packages:
-	@command -v redis-server >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	@command -v redis-server >/dev/null && command -v openssl >/dev/null && command -v chromium >/dev/null && \
+	  command -v chromedriver >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null 2>&1 || \
 	    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES); }; \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 import pytest
@@ -133,3 +134,68 @@ def test_a_cluster_spreads_the_chunks_over_its_nodes(redis_cluster):
         assert chunks.fetch(keys[:10]) == [value(k) for k in keys[:10]]
     finally:
         chunks.close()
+
+
+def test_a_unix_socket_url(tmp_path):
+    import subprocess
+
+    import redis
+
+    sock = tmp_path / "redis.sock"
+    proc = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock), "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while not sock.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not open its socket"
+            time.sleep(0.02)
+        chunks = RemoteChunks(RemoteConfig(url=f"unix://{sock}"))
+        try:
+            assert chunks.put(key(3), value(key(3)))
+            assert chunks.flush(10)
+            assert chunks.present([key(3)]) == [True]
+            assert redis.Redis(unix_socket_path=str(sock)).dbsize() == 1
+        finally:
+            chunks.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_tls_with_the_servers_ca(tmp_path):
+    import subprocess
+
+    from redisserver import _free_port
+
+    cert, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key_file),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    port = _free_port()
+    proc = subprocess.Popen(["redis-server", "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert),
+                             "--tls-key-file", str(key_file), "--tls-ca-cert-file", str(cert),
+                             "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while True:  # until the server listens
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "redis-server (TLS) did not start"
+            time.sleep(0.05)
+    url = f"rediss://127.0.0.1:{port}/0"
+    trusted = RemoteChunks(RemoteConfig(url=url, tls_ca_file=str(cert), timeout_ms=2000))
+    untrusted = RemoteChunks(RemoteConfig(url=url, timeout_ms=2000))
+    try:
+        assert trusted.put(key(4), value(key(4))) and trusted.flush(10)
+        assert trusted.present([key(4)]) == [True]
+        # A certificate the client cannot check is a failed round trip (a miss), never a plaintext fallback.
+        assert untrusted.present([key(4)]) is None and untrusted.stats().errors == 1
+    finally:
+        trusted.close()
+        untrusted.close()
+        proc.kill()
+        proc.wait(10)

@@ -72,6 +72,8 @@ class RemoteConfig:
     prefix: str = "skippy"
     #: The URL names one node of a Redis Cluster (or Valkey cluster): keys spread over its nodes.
     cluster: bool = False
+    #: With `rediss://`: the CA certificate(s) the server's certificate must chain to (None: the system's).
+    tls_ca_file: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +210,8 @@ class RemoteChunks:
             "socket_connect_timeout": timeout_ms / 1000,
             "retry": Retry(NoBackoff(), 0),
         }
+        if self.config.tls_ca_file is not None:
+            options["ssl_ca_certs"] = self.config.tls_ca_file
         if self.config.cluster:
             client = RedisCluster.from_url(self.config.url, **options)
         else:

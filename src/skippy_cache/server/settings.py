@@ -82,6 +82,8 @@ class ServerSettings:
     remote_cache_timeout_ms: int = 50
     #: The URL names one node of a Redis Cluster or Valkey cluster.
     remote_cache_cluster: bool = False
+    #: With a rediss:// URL: the CA file the server's certificate is checked against (None: the system's).
+    remote_cache_tls_ca: Path | None = None
     cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
 
     def engine_config(self) -> EngineConfig:
@@ -114,7 +116,8 @@ class ServerSettings:
                 raise SettingsError(f"--remote-cache-password-file: cannot read it ({exc.strerror})") from None
             password = lines[0] if lines else ""
         return RemoteConfig(url=self.remote_cache, password=password, ttl_s=self.remote_cache_ttl,
-                            timeout_ms=self.remote_cache_timeout_ms, cluster=self.remote_cache_cluster)
+                            timeout_ms=self.remote_cache_timeout_ms, cluster=self.remote_cache_cluster,
+                            tls_ca_file=str(self.remote_cache_tls_ca) if self.remote_cache_tls_ca else None)
 
 
 # -- value parsers: (setting name as the user wrote it, text) -> value -------
@@ -286,6 +289,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("remote_cache_cluster", "--remote-cache-cluster", "SKIPPY_REMOTE_CACHE_CLUSTER", "remote_cache_cluster",
            _bool, "the --remote-cache URL names one node of a Redis Cluster or Valkey cluster: chunks spread "
            "over its nodes (default off)", is_bool=True),
+    Option("remote_cache_tls_ca", "--remote-cache-tls-ca", "SKIPPY_REMOTE_CACHE_TLS_CA", "remote_cache_tls_ca",
+           _path, "with a rediss:// URL, the CA certificate file the server's certificate must chain to "
+           "(default: the system's CAs)", "FILE"),
     # The core's cache settings; the environment names are the core's own
     # (StageKvCacheConfig.from_env reads them).
     Option("cache.mode", "--cache-mode", "SKIPPY_KV_CACHE", "mode", _wrap(parse_cache_mode),
