@@ -297,3 +297,25 @@ def test_chunk_files_are_never_left_half_written(tmp_path: Path) -> None:
     finally:
         engine.close()
     assert os.path.exists(tmp_path / "lock")
+
+
+def test_a_chunk_cut_with_another_size_is_never_named_alike(engine: Engine) -> None:
+    """A chunk is named by the prefix at its end; its rows depend on the chunk size too. Stores cut with
+    different sizes (a disk directory from another configuration, a replica on the shared tier) must
+    never share a name, or one would import the other's rows at the wrong positions."""
+    from skippy_cache.chunkstore import ChunkStore
+    from skippy_cache.runtime.statestore import StateStore
+
+    store = engine.cache.store
+    assert store is not None
+    other = StateStore(ChunkStore(1 << 20, None), store.layout, 2 * CHUNK, max_pending_bytes=1 << 20)
+    try:
+        tokens = make_tokens(engine, 4 * CHUNK + 10, seed=41)
+        space = engine.cache.identity_key.with_namespace(None)
+        ours = store._chunk_keys(store.chunk_identities(space, tokens))
+        theirs = other._chunk_keys(other.chunk_identities(space, tokens))
+        # Both have a chunk ending at token 2 * CHUNK, holding different rows: different names.
+        assert ours[1] != theirs[0]
+        assert not set(ours) & set(theirs)
+    finally:
+        other.close()

@@ -99,7 +99,11 @@ class StateStore:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.chunks = chunks
         self.layout = layout
-        self.layout_id = layout.fingerprint()
+        # Chunks are named by the prefix at their end, and what rows a chunk holds depends on the
+        # chunk size too: a chunk ending at token 256 holds [0, 256) with C=256 but [192, 256) with
+        # C=64. The size is part of every name, so a store (on disk, or a replica on the shared
+        # tier) cut with another size can never hand its chunks to this one.
+        self.layout_id = f"{layout.fingerprint()}/chunk-tokens={chunk_tokens}"
         self.chunk_tokens = chunk_tokens
         self.max_pending_bytes = max_pending_bytes
         #: The shared tier, if any: written behind the writer, read by `prefetch`.
@@ -264,10 +268,11 @@ class StateStore:
         pieces: list[Chunk] = []
         source = Source.RAM
         with self._cv:
-            for key in keys:
+            for i, key in enumerate(keys):
                 where = self.chunks.where(key)
                 chunk = self.chunks.get(key)
-                if chunk is None:
+                # A full chunk holds exactly C tokens, a tail at most C: anything else ends the run.
+                if chunk is None or not (chunk.tokens == c or (i == len(keys) - 1 and chunk.tokens < c)):
                     break
                 pieces.append(chunk)
                 if where is Tier.DISK:
