@@ -257,11 +257,11 @@ class CacheTiers:
                     available, source = self.store.available(match.page_id)
                     length = min(length, available)
                 if length >= self.min_tokens:
-                    best = Hit(source, match.page_id, length, _why(length, query))
+                    best = Hit(source, match.page_id, length, reuse_why(length, len(query.tokens)))
         if self.store is not None and query.chunks:
             length, source, _ = self.store.probe(query.chunks, None)
             if length > best.length and length >= self.min_tokens:
-                best = Hit(source, None, length, _why(length, query))
+                best = Hit(source, None, length, reuse_why(length, len(query.tokens)))
         return best
 
     def _whole(self, query: Query, prompt: PrefixIdentity) -> Hit | None:
@@ -323,5 +323,6 @@ class CacheTiers:
             )
 
 
-def _why(length: int, query: Query) -> Why:
-    return Why.ALL_BUT_LAST if length >= len(query.tokens) else Why.DIVERGED
+def reuse_why(length: int, reusable: int) -> Why:
+    """Why a hit of `length` tokens covers no more, when `reusable` tokens (all but the last) could be."""
+    return Why.ALL_BUT_LAST if length >= reusable else Why.DIVERGED

@@ -46,7 +46,7 @@ from skippy_cache.runtime.pool import CellPool
 from skippy_cache.runtime.requests import GenerationRequest
 from skippy_cache.runtime.remote import Prefetched
 from skippy_cache.runtime.statestore import StateStore
-from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why
+from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why, reuse_why
 
 
 @dataclass(slots=True)
@@ -158,8 +158,7 @@ class PrefixCache:
             on_grid = {n for n in lengths if n % self.policy.grid_tokens == 0}
             lane.identities = prefix_identities(lane.space, request.tokens[: lane.prefill_end], on_grid)
         elif len(request.tokens) >= max(self.tiers.min_tokens, 1):
-            whole_key = self._whole_prompt_key.with_namespace(request.namespace)
-            lane.prompt_identity = prefix_identity(whole_key, request.tokens)
+            lane.prompt_identity = self._whole_identity(request)
             if self.store is not None:
                 lane.chunk_ids = self.store.chunk_identities(lane.space, request.tokens[: lane.prefill_end])
 
@@ -179,12 +178,11 @@ class PrefixCache:
         store = self.store
         if store is None or store.remote is None or self.on_grid or not (self.mode.looks_up and request.lookup):
             return None
-        if len(request.tokens) < max(self.tiers.min_tokens, 1):
-            return None
-        space = self.identity_key.with_namespace(request.namespace)
-        whole = prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
-        chunk_ids = store.chunk_identities(space, request.tokens[:-1])
-        return store.prefetch(chunk_ids, whole) if fetch else store.remote_reach(chunk_ids, whole)
+        lane = Lane.for_lookup(request)
+        self.name(lane)
+        if lane.prompt_identity is None:
+            return None  # below min_tokens: nothing is looked up
+        return store.prefetch(lane.chunk_ids, lane.prompt_identity, fetch=fetch)
 
     def explain(self, request: GenerationRequest, remote: Prefetched | None = None) -> Explanation:
         """What the request would reuse right now, from where, and why not more; changes nothing.
@@ -203,7 +201,7 @@ class PrefixCache:
             length = len(request.tokens) if remote.whole else min(remote.local_tokens + remote.tokens,
                                                                   lane.prefill_end)
             if length > hit.length:
-                why = Why.EXACT_REPEAT if remote.whole else _why(length, lane.prefill_end)
+                why = Why.EXACT_REPEAT if remote.whole else reuse_why(length, lane.prefill_end)
                 hit = Hit(Source.REMOTE, None, length, why)
         if hit.why in (Why.NEVER_SEEN, Why.DIVERGED) and not self.on_grid:
             hit = self._explain_miss(hit, lane)
@@ -389,8 +387,7 @@ class PrefixCache:
         resident = self.tiers.resident
         if request is None:
             return resident.unpin_all()
-        whole = prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
-        return int(resident.unpin(whole.page_id))
+        return int(resident.unpin(self._whole_identity(request).page_id))
 
     # -- the pool's cells ------------------------------------------------------------
 
@@ -473,22 +470,30 @@ class PrefixCache:
         """What the plan could not tell: a longer prefix that was cached and left, or the same tokens
         recorded under another namespace."""
         tokens = lane.request.tokens
-        at = lengths(len(tokens), self.policy.grid_tokens)
-        evicted = self.misses.evicted(prefix_identity_map(lane.space, tokens, at), hit.length)
+        evicted = self.misses.evicted(self._booked_ids(lane.space, tokens), hit.length)
         if evicted is not None:
             lane.evicted_ago = age_bucket(time.monotonic() - evicted.at)
             return replace(hit, why=Why.EVICTED)
-        unsalted = prefix_identity_map(self.identity_key.with_namespace(None), tokens, at)
+        unsalted = self._booked_ids(self.identity_key.with_namespace(None), tokens)
         if self.misses.other_namespace(unsalted, _namespace_digest(lane.request.namespace), hit.length):
             return replace(hit, why=Why.NAMESPACE)
         return hit
 
     def _book_recorded(self, space: Hashable, namespace: str | None, tokens: Sequence[int]) -> None:
         """A prefix was recorded: it is no longer a ghost, and its tokens are booked under its namespace."""
-        at = lengths(len(tokens), self.policy.grid_tokens)
-        self.misses.held(prefix_identity_map(space, tokens, at).values())
-        unsalted = prefix_identity_map(self.identity_key.with_namespace(None), tokens, at)
+        self.misses.held(self._booked_ids(space, tokens).values())
+        unsalted = self._booked_ids(self.identity_key.with_namespace(None), tokens)
         self.misses.recorded(unsalted.values(), _namespace_digest(namespace))
+
+    def _booked_ids(self, space: Hashable, tokens: Sequence[int]) -> dict[int, PageId]:
+        """Page ids of the prefixes of `tokens` at the lengths the miss book keeps (misses.lengths)."""
+        assert isinstance(space, IdentityKey)
+        at = lengths(len(tokens), self.policy.grid_tokens)
+        return {n: identity.page_id for n, identity in prefix_identities(space, tokens, at).items()}
+
+    def _whole_identity(self, request: GenerationRequest) -> PrefixIdentity:
+        """The identity of the request's whole prompt as an entry (with its first-token logits)."""
+        return prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
 
     def _restore(self, hit: Hit, lane: Lane) -> Hit | bool | None:
         """Restore the hit from the store onto the lane's empty sequence; the hit as restored.
@@ -579,25 +584,14 @@ class PrefixCache:
         for eviction in evictions:
             entry = self._entries.pop(eviction.page_id, None)
             if entry is not None:
-                space, tokens = entry
-                ids = prefix_identity_map(space, tokens, lengths(len(tokens), self.policy.grid_tokens))
-                self.misses.left(ids.values(), now)
+                self.misses.left(self._booked_ids(*entry).values(), now)
             self._to_persist.pop(eviction.page_id, None)
             self._reused.discard(eviction.page_id)
             self.tiers.forget_if_gone(eviction.page_id)
-
-
-def prefix_identity_map(space: Hashable, tokens: Sequence[int], at: list[int]) -> dict[int, PageId]:
-    """Page ids of the prefixes of `tokens` at the lengths `at`."""
-    assert isinstance(space, IdentityKey)
-    return {n: identity.page_id for n, identity in prefix_identities(space, tokens, at).items()}
 
 
 def _namespace_digest(namespace: str | None) -> str:
     """A namespace as the miss book keeps it: a digest, so the book never holds a salt."""
     return blake3(repr(namespace).encode()).hexdigest(length=8)
 
-
-def _why(length: int, prefill_end: int) -> Why:
-    return Why.ALL_BUT_LAST if length >= prefill_end else Why.DIVERGED
 

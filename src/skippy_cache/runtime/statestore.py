@@ -300,8 +300,11 @@ class StateStore:
 
     # -- the shared tier -----------------------------------------------------------------
 
-    def prefetch(self, chunk_ids: Sequence[PrefixIdentity], whole: PrefixIdentity | None) -> Prefetched:
-        """Bring the chunks of a prompt that only the shared tier holds into RAM, verified.
+    def prefetch(
+        self, chunk_ids: Sequence[PrefixIdentity], whole: PrefixIdentity | None, *, fetch: bool = True
+    ) -> Prefetched:
+        """Bring the chunks of a prompt that only the shared tier holds into RAM, verified (without
+        `fetch`: only say what it would bring; `ms` is then the lookup's).
 
         Runs on a prefetch worker, never the engine thread: one pipelined round
         trip asks which chunks past the local run the server holds, then the
@@ -313,8 +316,8 @@ class StateStore:
         assert remote is not None
         t0 = time.perf_counter()
         local, wanted, tail = self._remote_run(chunk_ids, whole)
-        kept = 0
-        for start in range(0, len(wanted), _FETCH_CHUNKS):
+        kept = 0 if fetch else len(wanted)
+        for start in range(0, len(wanted) if fetch else 0, _FETCH_CHUNKS):
             batch = wanted[start : start + _FETCH_CHUNKS]
             values = remote.fetch(batch)
             if values is None:
@@ -326,15 +329,6 @@ class StateStore:
         chunks = kept - whole_came
         c = self.chunk_tokens
         return Prefetched(local * c, chunks * c, whole_came, (time.perf_counter() - t0) * 1000)
-
-    def remote_reach(self, chunk_ids: Sequence[PrefixIdentity], whole: PrefixIdentity | None) -> Prefetched:
-        """What `prefetch` would bring, asked without fetching anything (`ms` is the lookup's)."""
-        t0 = time.perf_counter()
-        local, wanted, tail = self._remote_run(chunk_ids, whole)
-        whole_there = tail is not None and wanted[-1:] == [tail]
-        chunks = len(wanted) - whole_there
-        c = self.chunk_tokens
-        return Prefetched(local * c, chunks * c, whole_there, (time.perf_counter() - t0) * 1000)
 
     def _remote_run(
         self, chunk_ids: Sequence[PrefixIdentity], whole: PrefixIdentity | None

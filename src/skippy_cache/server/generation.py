@@ -28,7 +28,13 @@ from skippy_cache.server.errors import APIError, error_body, from_engine_error, 
 from skippy_cache.server.metrics import ServerMetrics
 from skippy_cache.server.responses import ChatFormat, CompletionFormat, ResponseFormat
 from skippy_cache.server.responses import explanation_answer
-from skippy_cache.server.schemas import CacheQuery, ChatCompletionRequest, CompletionRequest, UnpinRequest
+from skippy_cache.server.schemas import (
+    CacheQuery,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    UnpinRequest,
+)
 from skippy_cache.server.settings import ServerSettings
 
 T = TypeVar("T", bound=BaseModel)
@@ -53,10 +59,7 @@ class Generation:
     async def completions(self, request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
         self._check_model(body.model)
-        if isinstance(body.prompt, str):
-            tokens = await asyncio.to_thread(self.engine.tokenize, body.prompt)
-        else:
-            tokens = list(body.prompt)
+        tokens = await self._prompt_tokens(body.prompt)
         max_tokens = body.max_tokens_or_default()
         run = self._submit(body, tokens, max_tokens, prompt_param="prompt")
         fmt = CompletionFormat(self.model_id, self.system_fingerprint)
@@ -65,7 +68,7 @@ class Generation:
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        tokens = await asyncio.to_thread(self._chat_tokens, body)
+        tokens = await asyncio.to_thread(self._chat_tokens, body.messages)
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
             # Up to what the context has left, capped (settings.DEFAULT_CHAT_MAX_TOKENS says why);
@@ -94,12 +97,10 @@ class Generation:
     async def _query(self, body: CacheQuery) -> GenerationRequest:
         self._check_model(body.model)
         if body.messages is not None:
-            chat = ChatCompletionRequest.model_construct(messages=body.messages)
-            tokens = await asyncio.to_thread(self._chat_tokens, chat)
-        elif isinstance(body.prompt, str):
-            tokens = await asyncio.to_thread(self.engine.tokenize, body.prompt)
+            tokens = await asyncio.to_thread(self._chat_tokens, body.messages)
         else:
-            tokens = list(body.prompt or ())
+            assert body.prompt is not None  # CacheQuery holds exactly one of the two
+            tokens = await self._prompt_tokens(body.prompt)
         return GenerationRequest(tokens=tokens, max_tokens=1, namespace=body.cache_salt, lookup=body.cache.lookup)
 
     # -- steps -----------------------------------------------------------------
@@ -113,9 +114,15 @@ class Generation:
                 code="model_not_found",
             )
 
-    def _chat_tokens(self, body: ChatCompletionRequest) -> list[int]:
+    async def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
+        """A completions-style prompt as tokens: text is tokenized (off the event loop), ids taken as given."""
+        if isinstance(prompt, str):
+            return await asyncio.to_thread(self.engine.tokenize, prompt)
+        return list(prompt)
+
+    def _chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
         try:
-            text = self.chat.render(body.messages)
+            text = self.chat.render(messages)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from None
         # The template may already emit BOS; the tokenizer would add a second one.
