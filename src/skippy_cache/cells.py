@@ -153,6 +153,14 @@ class CellMap:
             kinds[cells] |= 1 if seq < lane_limit else 2
         return kinds
 
+    def cells_held(self, seqs: set[int]) -> int:
+        """Distinct cells held by any of these sequences (a cell they share counts once)."""
+        held = [self._seqs[s].cells for s in seqs if s in self._seqs]
+        if not held:
+            return 0
+        cells = np.concatenate(held)
+        return int(np.unique(cells[cells >= 0]).size)
+
     def cells_freed_by_removing(self, seqs: set[int]) -> int:
         """Cells that removing these sequences would free: those no other sequence holds."""
         held = [self._seqs[s].cells for s in seqs if s in self._seqs]

@@ -73,6 +73,11 @@ def test_entry_recorded_from_a_lane_started_from_an_entry_shares_cells() -> None
     assert cells.cells_freed_by_removing({ENTRY_A}) == 0
     assert cells.cells_freed_by_removing({ENTRY_B, LANE1}) == 144
     assert cells.cells_freed_by_removing({ENTRY_A, ENTRY_B, LANE1}) == 400
+    # Cells held, shared ones counted once: what the pool audit compares with used cells.
+    assert cells.cells_held({ENTRY_A}) == 256
+    assert cells.cells_held({ENTRY_A, ENTRY_B}) == 384
+    assert cells.cells_held({ENTRY_A, ENTRY_B, LANE1, LANE0}) == cells.used_cells == 400
+    assert cells.cells_held({LANE0}) == cells.cells_held(set()) == 0
     cells.check_invariants()
 
 

@@ -81,15 +81,23 @@ def test_disconnect_mid_stream_frees_the_lane(server: LiveServer) -> None:
     server.wait_idle()
 
 
+def answered(server: LiveServer, status: str) -> float:
+    return server.metrics().get(("skippy_requests_total", (("endpoint", "/v1/completions"), ("status", status))), 0.0)
+
+
 def test_disconnect_while_waiting_non_streamed_frees_the_lane(server: LiveServer) -> None:
     server.wait_idle()
     before = cancelled_count(server)
+    closed_before, unavailable_before = answered(server, "499"), answered(server, "503")
     body = {"prompt": ABANDONED_PROMPT, "max_tokens": hog_max_tokens(server), "temperature": 0}
     with server.http(timeout=httpx.Timeout(30.0, read=3.0)) as http, pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body)  # gives up after 3 s and closes the connection
     follow_up(server)
     wait_for(lambda: cancelled_count(server) == before + 1, "the abandoned request to be cancelled")
     server.wait_idle()
+    # Counted as the client's doing (499, nginx's "client closed request"), not as a server error.
+    assert answered(server, "499") == closed_before + 1
+    assert answered(server, "503") == unavailable_before
 
 
 def test_full_queue_answers_503_with_retry_after(server: LiveServer) -> None:

@@ -249,3 +249,18 @@ def test_no_store_reports_none_and_zeros() -> None:
             assert collected[("skippy_store_max_bytes", (("tier", tier),))] == 0
     finally:
         engine.close(drain=False)
+
+
+def test_the_pool_audit_at_rest_finds_every_used_cell_in_an_entry(server: LiveServer) -> None:
+    """After requests that record and reuse entries, no cell is left to a lane or to no one."""
+    system = {"role": "system", "content": "You are a careful assistant who answers in one word. " * 12}
+    client = server.openai()
+    for question in ("Name a colour.", "Name a fruit.", "Name a colour."):
+        client.chat.completions.create(model=server.model_id, max_tokens=4, temperature=0,
+                                       messages=[system, {"role": "user", "content": question}])
+    server.wait_idle()
+    with server.http(timeout=60) as http:
+        pool = http.get("/v1/cache").json()["pool"]
+    audit = pool["audit"]
+    assert (audit["lane_cells"], audit["unowned_cells"], audit["native_mismatches"]) == (0, 0, 0), audit
+    assert audit["used_cells"] == audit["entry_cells"] == pool["used_cells"] > 0, audit

@@ -2,7 +2,7 @@
 
 from skippy_cache.diskchunks import CacheDirBusy
 from skippy_cache.runtime.engine import Engine
-from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolView, available_cores
+from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolAudit, PoolView, available_cores
 from skippy_cache.runtime.gguf_info import GgufInfo, ModelNotFoundError, default_model_path, read_gguf_info
 from skippy_cache.runtime.native import SamplingParams
 from skippy_cache.runtime.prefixcache import Explanation
@@ -36,6 +36,7 @@ __all__ = [
     "GenerationRequest",
     "GgufInfo",
     "ModelNotFoundError",
+    "PoolAudit",
     "PoolView",
     "QueueFullError",
     "RTT_BUCKETS",

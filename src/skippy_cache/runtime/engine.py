@@ -46,7 +46,7 @@ from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.runtime.batching import BatchBuilder, Planned
 from skippy_cache.runtime.gguf_info import default_model_path, read_gguf_info
 from skippy_cache.runtime.inflight import InflightJoins
-from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolView, available_cores
+from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolAudit, PoolView, available_cores
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel, Sampler, runtime_abi
 from skippy_cache.runtime.pool import CellPool
@@ -298,8 +298,33 @@ class Engine:
         top = [(s.tokens, s.hits, s.head, s.namespace) for s in self.cache.savings.top(10)]
         return PoolView(len(kinds), columns, top)
 
+    def pool_audit(self) -> PoolAudit:
+        """Who holds the pool's cells, and whether llama.cpp agrees with the mirror; read on the
+        engine thread between steps (a native call per sequence id: for checks, not for every step)."""
+        return self.call(self._pool_audit)
+
+    def _pool_audit(self) -> PoolAudit:
+        cells = self.pool.cells
+        lane_limit = self.info.budgets.reserved_seq_count
+        entries = {entry.seq_id for entry in self.cache.tiers.resident.entries()}
+        held = set(cells.sequences())
+        lanes = {seq for seq in held if seq < lane_limit}
+        return PoolAudit(
+            used_cells=cells.used_cells,
+            lane_cells=cells.cells_held(lanes),
+            entry_cells=cells.cells_held(entries),
+            unowned_cells=cells.cells_held(held - lanes - entries),
+            native_mismatches=len(self.pool.mismatches(range(self.info.budgets.n_seq_max))),
+        )
+
     def unpin(self, request: GenerationRequest | None) -> int:
-        """Release the pin on `request`'s prompt (None: every pin); how many were released."""
+        """Release the pin on `request`'s prompt (None: every pin); how many were released.
+
+        RequestError for a prompt that could never run (so was never pinned), as for `submit`:
+        a token id past the vocabulary would otherwise fail the identity's hash on the engine thread.
+        """
+        if request is not None:
+            self.validate(request)
         return self.call(lambda: self.cache.unpin(request))
 
     def clear_cache(self) -> int:

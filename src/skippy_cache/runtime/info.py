@@ -143,6 +143,23 @@ class EngineStats:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolAudit:
+    """Who holds the pool's cells (`Engine.pool_audit`). At rest (no lane busy, nothing queued)
+    every used cell belongs to a resident entry: `lane_cells`, `unowned_cells` and
+    `native_mismatches` are 0 and `used_cells == entry_cells`; anything else is a leak."""
+
+    used_cells: int
+    #: Held by lane sequences (below `reserved_seq_count`; deterministic mode's pad sequence too).
+    lane_cells: int
+    #: Held by the resident cache's committed entries.
+    entry_cells: int
+    #: Held by sequences neither a lane nor a committed entry (a record in progress, or a leak).
+    unowned_cells: int
+    #: Sequences whose llama.cpp `pos_max` differs from the mirror's (every sequence id is asked).
+    native_mismatches: int
+
+
+@dataclass(frozen=True, slots=True)
 class PoolView:
     """The pool as the dashboard draws it (`Engine.pool_view`)."""
 

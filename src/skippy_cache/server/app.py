@@ -11,13 +11,17 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 from skippy_cache.runtime import Engine
 from skippy_cache.server.chat import ChatFormatter
 from skippy_cache.server.dashboard import dashboard_data, page
 from skippy_cache.server.errors import APIError, install_error_handlers
 from skippy_cache.server.generation import Generation
+from skippy_cache.server.limits import BodyLimit, RequestLimits
 from skippy_cache.server.metrics import RequestCounter, ServerMetrics
+from skippy_cache.server.modelnames import ModelNames
+from skippy_cache.server.schemas import CacheQuery, ChatCompletionRequest, CompletionRequest, UnpinRequest
 from skippy_cache.server.settings import ServerSettings
 from skippy_cache.server.stats import cache_report
 
@@ -44,7 +48,8 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     """
     started = int(time.time())
     model_id = engine.info.model.model_id
-    model_names = tuple(dict.fromkeys((model_id, settings.model_alias)))
+    models = ModelNames(model_id, settings.model_alias, strict=settings.strict_model_names)
+    limits = RequestLimits.from_settings(settings, engine.info.n_ctx)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -59,6 +64,8 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     app.state.shutting_down = False
     metrics = ServerMetrics(engine, ENDPOINTS)
     app.state.metrics = metrics
+    # Added first, so it runs inside RequestCounter: a 413 is counted like any answer.
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     app.add_middleware(RequestCounter, metrics=metrics)
     install_error_handlers(app)
 
@@ -68,7 +75,8 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
         chat=ChatFormatter(engine.info.model.chat_template, bos_token=engine.info.bos_text,
                            eos_token=engine.info.eos_text),
         metrics=metrics,
-        model_names=model_names,
+        models=models,
+        limits=limits,
         system_fingerprint=f"skippy-{engine.info.model.digest[:12]}",
     )
     app.state.generation = generation
@@ -84,10 +92,14 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
 
     auth = [Depends(_bearer_auth(settings.api_key))] if settings.api_key else []
     v1 = APIRouter(prefix="/v1", dependencies=auth)
-    v1.add_api_route("/completions", generation.completions, methods=["POST"])
-    v1.add_api_route("/chat/completions", generation.chat_completions, methods=["POST"])
-    v1.add_api_route("/cache/explain", generation.explain, methods=["POST"])
-    v1.add_api_route("/cache/unpin", generation.unpin, methods=["POST"])
+    # The handlers parse their bodies themselves (errors.py's messages, limits.py's checks);
+    # the OpenAPI document still describes each body.
+    v1.add_api_route("/completions", generation.completions, methods=["POST"],
+                     openapi_extra=_json_body(CompletionRequest))
+    v1.add_api_route("/chat/completions", generation.chat_completions, methods=["POST"],
+                     openapi_extra=_json_body(ChatCompletionRequest))
+    v1.add_api_route("/cache/explain", generation.explain, methods=["POST"], openapi_extra=_json_body(CacheQuery))
+    v1.add_api_route("/cache/unpin", generation.unpin, methods=["POST"], openapi_extra=_json_body(UnpinRequest))
 
     @v1.get("/models")
     async def list_models() -> dict:
@@ -95,13 +107,14 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
 
     @v1.get("/models/{model:path}")
     async def get_model(model: str) -> dict:
-        if model not in model_names:
-            raise APIError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+        # The card of the model that serves this name (any name, unless --strict-model-names).
+        models.check(model)
         return model_card()
 
     @v1.get("/cache")
     async def cache() -> dict:
-        return cache_report(engine)
+        # The pool's audit is read on the engine thread: keep the wait off the event loop.
+        return await asyncio.to_thread(cache_report, engine)
 
     @v1.get("/dashboard")
     async def dashboard_json() -> dict:
@@ -139,6 +152,25 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """An OpenAPI `requestBody` for a pydantic model, its `$defs` inlined (none of them is recursive)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: object) -> object:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                rest = {k: v for k, v in node.items() if k != "$ref"}
+                return inline({**defs[ref.removeprefix("#/$defs/")], **rest})
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def _bearer_auth(api_key: str):

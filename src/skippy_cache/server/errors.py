@@ -81,6 +81,10 @@ def from_validation_errors(errors: Sequence[dict]) -> APIError:
     kind = first.get("type", "")
     if kind == "missing":
         code, message = "missing_required_parameter", f"missing required parameter: {param!r}"
+    elif kind == "extra_forbidden":
+        code, message = "unknown_parameter", f"unknown field {param!r}"
+    elif kind == "unsupported_parameter":
+        code, message = kind, f"{param!r} is not supported by this server"
     else:
         code = "invalid_type" if kind.endswith("_type") else "invalid_value"
         detail = first.get("msg", "invalid value").removeprefix("Value error, ")

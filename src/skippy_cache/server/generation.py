@@ -25,7 +25,9 @@ from skippy_cache.runtime import (
 from skippy_cache.server.bridge import EngineRun, cancel_on_disconnect
 from skippy_cache.server.chat import ChatFormatter, ChatTemplateError
 from skippy_cache.server.errors import APIError, error_body, from_engine_error, from_validation_errors
+from skippy_cache.server.limits import RequestLimits
 from skippy_cache.server.metrics import ServerMetrics
+from skippy_cache.server.modelnames import ModelNames
 from skippy_cache.server.responses import ChatFormat, CompletionFormat, ResponseFormat
 from skippy_cache.server.responses import explanation_answer
 from skippy_cache.server.schemas import (
@@ -48,18 +50,20 @@ class Generation:
     settings: ServerSettings
     chat: ChatFormatter
     metrics: ServerMetrics
-    #: the model's id first; requests may name any of these.
-    model_names: tuple[str, ...]
+    models: ModelNames
+    limits: RequestLimits
     system_fingerprint: str
 
     @property
     def model_id(self) -> str:
-        return self.model_names[0]
+        return self.models.served
 
     async def completions(self, request: Request) -> Response:
         body = await _parse(request, CompletionRequest)
-        self._check_model(body.model)
+        self.models.check(body.model)
+        self.limits.check_stop(body.stop)
         tokens = await self._prompt_tokens(body.prompt)
+        self.limits.check_prompt(len(tokens), param="prompt")
         max_tokens = body.max_tokens_or_default()
         run = self._submit(body, tokens, max_tokens, prompt_param="prompt")
         fmt = CompletionFormat(self.model_id, self.system_fingerprint)
@@ -67,8 +71,11 @@ class Generation:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
-        self._check_model(body.model)
+        self.models.check(body.model)
+        self.limits.check_stop(body.stop)
+        self.limits.check_messages(len(body.messages))
         tokens = await asyncio.to_thread(self._chat_tokens, body.messages)
+        self.limits.check_prompt(len(tokens), param="messages")
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
             # Up to what the context has left, capped (settings.DEFAULT_CHAT_MAX_TOKENS says why);
@@ -91,12 +98,16 @@ class Generation:
         """Release the pin on a prompt's entry, or (`all`) every pin."""
         body = await _parse(request, UnpinRequest)
         query = None if body.all else await self._query(body)
-        released = await asyncio.to_thread(self.engine.unpin, query)
+        try:
+            released = await asyncio.to_thread(self.engine.unpin, query)
+        except (RequestError, EngineClosedError) as exc:
+            raise from_engine_error(exc, prompt_param="prompt" if body.prompt is not None else "messages") from None
         return JSONResponse({"object": "cache.unpin", "released": released})
 
     async def _query(self, body: CacheQuery) -> GenerationRequest:
-        self._check_model(body.model)
+        self.models.check(body.model)
         if body.messages is not None:
+            self.limits.check_messages(len(body.messages))
             tokens = await asyncio.to_thread(self._chat_tokens, body.messages)
         else:
             assert body.prompt is not None  # CacheQuery holds exactly one of the two
@@ -104,15 +115,6 @@ class Generation:
         return GenerationRequest(tokens=tokens, max_tokens=1, namespace=body.cache_salt, lookup=body.cache.lookup)
 
     # -- steps -----------------------------------------------------------------
-
-    def _check_model(self, model: str | None) -> None:
-        if model and model not in self.model_names:
-            raise APIError(
-                404,
-                f"The model `{model}` does not exist; this server serves `{self.model_id}`",
-                param="model",
-                code="model_not_found",
-            )
 
     async def _prompt_tokens(self, prompt: str | list[int]) -> list[int]:
         """A completions-style prompt as tokens: text is tokenized (off the event loop), ids taken as given."""
@@ -156,14 +158,24 @@ class Generation:
         try:
             done = await run.result()
         finally:
+            # A watcher that ended by itself saw the client go (no response was sent yet).
+            client_left = watcher.done() and not watcher.cancelled()
             watcher.cancel()
             run.cancel()
         if done.finish_reason is FinishReason.ERROR:
             raise APIError(500, done.error or "generation failed", type="server_error")
         if done.finish_reason is FinishReason.CANCELLED:
-            # The client left, or the server is shutting down without draining.
-            raise APIError(503, "the request was cancelled", type="server_error", code="cancelled")
+            raise _cancelled(client_left)
         return JSONResponse(fmt.response(done.text, done.finish_reason, done.stats))
+
+
+def _cancelled(client_left: bool) -> APIError:
+    if client_left:
+        # Nobody reads this answer; 499 (nginx's "client closed request") keeps a client
+        # that went away out of the server's 5xx count, where it would look like a failure.
+        return APIError(499, "the client closed the request", code="client_closed_request")
+    # The server is shutting down without draining.
+    return APIError(503, "the request was cancelled", type="server_error", code="cancelled")
 
 
 async def _parse(request: Request, model: type[T]) -> T:

@@ -1,23 +1,26 @@
 """Request bodies of /v1/completions and /v1/chat/completions.
 
 Strict types (a string is not a number, 1 is not `true`), so a wrong type is a
-400 naming the field rather than a silent coercion. Fields OpenAI clients send
-that we do not implement (presence_penalty, logprobs, tools, ...) are ignored,
-as most OpenAI-compatible servers do. Union fields are normalised by
-`before` validators, so an error names the field (`prompt`), not pydantic's
-union branch (`prompt.list[int][3]`).
+400 naming the field rather than a silent coercion. A field is either done,
+ignored because ignoring it cannot change the output (`user`, `metadata`,
+`store`, ... each declared below and marked so), or a 400 naming it: an
+unknown field (`unknown_parameter`), and a known OpenAI field this server
+does not do (`tools`, `suffix`, ...: `unsupported_parameter`), unless it is
+sent with its do-nothing value (`"tools": []`). A client that asks for
+something must never get something else with a 200. Union fields are
+normalised by `before` validators, so an error names the field (`prompt`),
+not pydantic's union branch (`prompt.list[int][3]`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from skippy_cache.runtime import SamplingParams
 
-#: OpenAI's limit on stop sequences.
-MAX_STOP_SEQUENCES = 4
 #: The legacy completions API's default (OpenAI and vLLM).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 #: OpenAI's default; 0 is greedy.
@@ -25,11 +28,42 @@ DEFAULT_TEMPERATURE = 1.0
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # Unknown fields are refused, not dropped: a misspelt or unsupported
+    # option silently ignored gives the client something it did not ask for.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+#: Error type of a known OpenAI field this server does not do (errors.py maps it to a 400).
+UNSUPPORTED = "unsupported_parameter"
+
+
+#: Besides null, the values of an unsupported field that ask for nothing.
+_INERT: dict[str, tuple[Any, ...]] = {
+    "suffix": ("",),
+    "best_of": (1,),
+    "tools": ([],),
+    "functions": ([],),
+    "tool_choice": ("none",),
+    "function_call": ("none",),
+    "tool_calls": ([],),
+    "annotations": ([],),
+}
+
+
+def _refuse_unless_inert(value: Any, info: ValidationInfo) -> None:
+    """Accept a field this server does not do only with a value that asks for nothing."""
+    inert = _INERT.get(info.field_name or "", ())
+    # `type(...) is`: `true == 1`, and `"best_of": true` is a wrong type, not 1.
+    if value is None or any(type(value) is type(v) and value == v for v in inert):
+        return
+    raise PydanticCustomError(UNSUPPORTED, "{field!r} is not supported by this server",
+                              {"field": info.field_name})
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    #: Ignored: OpenAI pads chunks against a side channel; nothing here to pad.
+    include_obfuscation: bool | None = None
 
 
 class CacheControl(_Strict):
@@ -57,7 +91,7 @@ class _GenerationFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
-    #: Accepted for compatibility; not used.
+    #: Ignored: an end-user id for OpenAI's abuse monitoring; it cannot change the output.
     user: str | None = None
     #: Own cache namespace: requests with different salts never share cached state.
     cache_salt: str | None = Field(default=None, min_length=1)
@@ -74,8 +108,7 @@ class _GenerationFields(_Strict):
             return [value]
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
             raise ValueError("must be a string or a list of strings")
-        if len(value) > MAX_STOP_SEQUENCES:
-            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(value)}")
+        # How many and how long: the server's limits (limits.py), which an operator sets.
         return value
 
     @field_validator("n")
@@ -109,6 +142,16 @@ class _GenerationFields(_Strict):
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int]
+    #: Not supported: text after the insertion point. Accepted only as null or "".
+    suffix: Any = None
+    #: Not supported: sample several and return the best. Accepted only as null or 1.
+    best_of: Any = None
+
+    @field_validator("suffix", "best_of", mode="before")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
+        _refuse_unless_inert(value, info)
+        return None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -125,6 +168,20 @@ class ChatMessage(_Strict):
     #: A string, or a list of `{"type": "text", "text": ...}` parts (joined with newlines).
     content: str | None = None
     name: str | None = None
+    #: Ignored: links a tool message to its call; the text is in `content`.
+    tool_call_id: str | None = None
+    #: Accepted only empty (null, []): a history of tool calls, refusals or audio cannot be replayed here.
+    tool_calls: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
+
+    @field_validator("tool_calls", "function_call", "refusal", "audio", "annotations", mode="before")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
+        _refuse_unless_inert(value, info)
+        return None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -147,6 +204,43 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
+
+    # Ignored: what the official client sends that cannot change the output.
+    #: Key-value tags of a stored completion (nothing is stored).
+    metadata: dict[str, str] | None = None
+    #: Whether OpenAI keeps the completion for its evals; nothing is kept here.
+    store: bool | None = None
+    #: OpenAI's processing tier; there is one tier here.
+    service_tier: str | None = None
+    #: An end-user id for abuse monitoring, like `user`.
+    safety_identifier: str | None = None
+    #: Hints for OpenAI's prompt cache; this server's reuse is exact and needs none (see `cache_salt`).
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    #: Only means something with `tools`, which are refused.
+    parallel_tool_calls: bool | None = None
+    #: Text is what this server produces; any other modality is refused.
+    modalities: list[Literal["text"]] | None = None
+
+    # Not supported; accepted only with a value that asks for nothing.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    moderation: Any = None
+
+    @field_validator("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
+                     "web_search_options", "reasoning_effort", "verbosity", "moderation", mode="before")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
+        _refuse_unless_inert(value, info)
+        return None
 
 
 class CacheQuery(_Strict):

@@ -59,6 +59,8 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
         mode += f" (configured {info.configured_mode.value})"
     template = "GGUF tokenizer.chat_template" if model.chat_template else "none in the GGUF (ChatML fallback)"
     auth = "bearer key required on /v1/*" if settings.api_key else "open (no --api-key)"
+    names = f"{model.model_id!r} or {settings.model_alias!r}"
+    names += " only (--strict-model-names)" if settings.strict_model_names else " (any other name served too)"
     lines = [
         "skippy-cache server",
         f"  model     {model.path}",
@@ -74,7 +76,9 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
         f"record limit {policy.record_limit or 'all'}",
         *_store_lines(engine),
         f"  requests  queue {info.max_queue}, chat max_tokens default {settings.default_max_tokens}, "
-        f"model names {model.model_id!r} or {settings.model_alias!r}, {auth}",
+        f"model names {names}, {auth}",
+        f"  limits    body {settings.max_body_mib} MiB, prompt {settings.max_prompt_tokens or info.n_ctx} tokens, "
+        f"stop {settings.max_stop} x {settings.max_stop_chars} chars, {settings.max_messages} messages",
         f"  listen    http://{settings.host}:{settings.port}",
     ]
     if info.mode_note:

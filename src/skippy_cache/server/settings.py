@@ -33,6 +33,16 @@ DEFAULT_MODEL_ALIAS = "skippy-cache"
 
 MIB = 1024 * 1024
 
+# Request limits: what one request may ask of the server, checked before it costs anything.
+#: Request bodies (JSON) past this many MiB are a 413, before they are parsed.
+DEFAULT_MAX_BODY_MIB = 8
+#: OpenAI's limit on stop sequences.
+DEFAULT_MAX_STOP = 4
+#: Each stop string is matched against the text after every token: keep them short.
+DEFAULT_MAX_STOP_CHARS = 256
+#: Messages of one chat request: each is rendered through the chat template before anything else.
+DEFAULT_MAX_MESSAGES = 1024
+
 
 def default_cache_dir(env: Mapping[str, str]) -> Path:
     """Where a server keeps the store's disk tier unless told otherwise: `$XDG_CACHE_HOME/skippy-cache`."""
@@ -61,6 +71,15 @@ class ServerSettings:
     deterministic: bool = False
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     model_alias: str = DEFAULT_MODEL_ALIAS
+    #: Refuse (404) a request naming a model other than the model's id or the alias; off: any name
+    #: is served by the one loaded model, as llama-server does.
+    strict_model_names: bool = False
+    max_body_mib: int = DEFAULT_MAX_BODY_MIB
+    #: Prompt tokens one request may send (0: the context size).
+    max_prompt_tokens: int = 0
+    max_stop: int = DEFAULT_MAX_STOP
+    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS
+    max_messages: int = DEFAULT_MAX_MESSAGES
     log_level: str = "info"
     #: The state store's RAM tier in MiB (None: the smaller of 8 GiB and a quarter of RAM; 0: none).
     host_cache_mib: int | None = None
@@ -252,7 +271,23 @@ OPTIONS: tuple[Option, ...] = (
            _int(1), f"max_tokens of a chat request that sets none (default {DEFAULT_CHAT_MAX_TOKENS}, "
            "or what is left of the context if less)", "N"),
     Option("model_alias", "--model-alias", "SKIPPY_MODEL_ALIAS", "model_alias", _str,
-           f"a second name requests may use for the model (default {DEFAULT_MODEL_ALIAS!r})", "NAME"),
+           f"a second name for the model, listed in the startup log (default {DEFAULT_MODEL_ALIAS!r})", "NAME"),
+    Option("strict_model_names", "--strict-model-names", "SKIPPY_STRICT_MODEL_NAMES", "strict_model_names",
+           _bool, "a request naming another model than the model's id or --model-alias is a 404 "
+           "model_not_found (default off: any name is served by the loaded model, logged once per name)",
+           is_bool=True),
+    Option("max_body_mib", "--max-body-mib", "SKIPPY_MAX_BODY_MIB", "max_body_mib", _int(1),
+           f"request bodies larger than this are a 413 before they are parsed (default {DEFAULT_MAX_BODY_MIB})",
+           "N"),
+    Option("max_prompt_tokens", "--max-prompt-tokens", "SKIPPY_MAX_PROMPT_TOKENS", "max_prompt_tokens", _int(0),
+           "prompt tokens one request may send, past it a 400 context_length_exceeded; 0: the context size "
+           "(default 0)", "N"),
+    Option("max_stop", "--max-stop", "SKIPPY_MAX_STOP", "max_stop", _int(0, 64),
+           f"stop sequences one request may give (default {DEFAULT_MAX_STOP}, as OpenAI)", "N"),
+    Option("max_stop_chars", "--max-stop-chars", "SKIPPY_MAX_STOP_CHARS", "max_stop_chars", _int(1),
+           f"characters in one stop sequence (default {DEFAULT_MAX_STOP_CHARS})", "N"),
+    Option("max_messages", "--max-messages", "SKIPPY_MAX_MESSAGES", "max_messages", _int(1),
+           f"messages in one chat request (default {DEFAULT_MAX_MESSAGES})", "N"),
     Option("log_level", "--log-level", "SKIPPY_LOG_LEVEL", "log_level", _log_level,
            "critical, error, warning, info, debug or trace (default info)", "LEVEL"),
     Option("host_cache_mib", "--host-cache-mib", "SKIPPY_HOST_CACHE_MIB", "host_cache_mib", _int(0),

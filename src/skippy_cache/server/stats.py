@@ -2,6 +2,8 @@
 
 `Engine.stats()` returns the snapshot the engine thread published after its
 last step, so it is safe and cheap from any thread; `Engine.info` is fixed at start.
+The pool's audit (who holds which cells) is read on the engine thread between
+steps: call `cache_report` off the event loop.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from skippy_cache.runtime import Engine
 
 def cache_report(engine: Engine) -> dict:
     """The cache's budgets, tiers, counters and pool state as JSON (GET /v1/cache)."""
+    audit = engine.pool_audit()
     s = engine.stats()
     info = engine.info
     budgets, policy = info.budgets, info.policy
@@ -49,6 +52,8 @@ def cache_report(engine: Engine) -> dict:
             "lanes_total": s.lanes_total,
             "lanes_busy": s.lanes_busy,
             "queue_depth": s.queue_depth,
+            # At rest used_cells == entry_cells, and lane_cells, unowned_cells, native_mismatches are 0.
+            "audit": dataclasses.asdict(audit),
             **dataclasses.asdict(s.placement),
         },
         "requests": {
