@@ -63,12 +63,18 @@ class RequestLimits:
                            code="context_length_exceeded")
 
 
+#: A refused body is read on (and dropped) up to this many times the limit before the 413 is
+#: sent: a client still sending when the answer comes and the connection closes would often
+#: see a reset instead of the 413. Past it the 413 goes out at once and the connection closes.
+DRAIN_FACTOR = 4
+
+
 class BodyLimit:
     """ASGI middleware: a request body past `max_bytes` gets a 413 before the app sees any of it.
 
-    A Content-Length past the limit is refused at once; otherwise the body is
-    read here, counted chunk by chunk (a chunked body has no length), and
-    handed to the app in one message. What follows the body (the
+    The body is read here, counted chunk by chunk (a chunked body has no
+    length), and handed to the app in one message; a Content-Length past the
+    limit is refused without buffering anything. What follows the body (the
     `http.disconnect` a streaming response watches for) passes through.
     """
 
@@ -82,7 +88,7 @@ class BodyLimit:
             return
         length = _content_length(scope)
         if length is not None and length > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(receive, send, drain=length <= DRAIN_FACTOR * self.max_bytes)
             return
         chunks: list[bytes] = []
         size = 0
@@ -94,25 +100,35 @@ class BodyLimit:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
+            more = message.get("more_body", False)
             if size > self.max_bytes:
-                await self._refuse(send)
+                await self._refuse(receive, send, drain=more)
                 return
             chunks.append(chunk)
-            if not message.get("more_body", False):
+            if not more:
                 break
         whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, _replay([whole], receive), send)
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, receive: Receive, send: Send, *, drain: bool) -> None:
+        left = drain
+        dropped = 0
+        while left and dropped <= DRAIN_FACTOR * self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left: nobody to answer
+            dropped += len(message.get("body", b""))
+            left = message.get("more_body", False)
         limit = self.max_bytes // MIB if self.max_bytes % MIB == 0 else self.max_bytes
         unit = " MiB" if self.max_bytes % MIB == 0 else " bytes"
         body = json.dumps(error_body(
             f"the request body is larger than {limit}{unit} (--max-body-mib)",
             "invalid_request_error", code="request_too_large",
         )).encode()
-        # Connection: close, so a client still sending a body without end is cut off after the answer.
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if left:
+            # Body still coming (past what is worth reading): the connection ends with the answer.
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
