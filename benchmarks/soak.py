@@ -307,10 +307,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(cache_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(cache_dir: Path, log: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "skippy_cache", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--cache-dir", str(cache_dir), "--log-level", "warning"]
+           "--cache-dir", str(cache_dir), "--log-level", "warning", *extra]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -452,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
     parser.add_argument("--url", help="a running server (default: start `skippy-cache serve` on a free port)")
     parser.add_argument("--pid", type=int, help="with --url: the server's process id, for its RSS")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="without --url: an option for `skippy-cache serve`, e.g. --serve-arg=--host-cache-mib=0 "
+                        "(repeat for more)")
     parser.add_argument("--max-body-mib", type=float, default=8,
                         help="the server's --max-body-mib, to size bodies over it (default 8)")
     parser.add_argument("--burst-every", type=float, default=BURST_EVERY_S,
@@ -466,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         pid = args.pid
         if args.url is None:
             log = Path(tmp) / "server.log"
-            proc, url = start_server(Path(tmp) / "cache", log)
+            proc, url = start_server(Path(tmp) / "cache", log, args.serve_arg)
             pid = proc.pid
             print(f"started skippy-cache serve at {url} (pid {pid}, log {log})", flush=True)
         else:

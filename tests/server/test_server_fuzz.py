@@ -24,7 +24,7 @@ from skippy_cache.server import ServerSettings
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
 #: Requests per operation and mode.
-EXAMPLES = 25
+EXAMPLES = 60
 #: Tokens a fuzzed generation may ask for.
 MAX_TOKENS = 2
 
