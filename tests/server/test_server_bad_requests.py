@@ -59,7 +59,7 @@ CASES = [
      "messages[1].tool_calls", "unsupported_parameter"),
     ("suffix", COMPLETIONS, {"prompt": "x", "suffix": "end"}, 400, "suffix", "unsupported_parameter"),
     ("best_of > 1", COMPLETIONS, {"prompt": "x", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
-    ("n > 1", COMPLETIONS, {"prompt": "x", "n": 2}, 400, "n", None),
+    ("n above the limit", COMPLETIONS, {"prompt": "x", "n": 17}, 400, "n", None),
     ("negative max_tokens", COMPLETIONS, {"prompt": "x", "max_tokens": -5}, 400, "max_tokens", None),
     ("zero max_completion_tokens", CHAT, {"messages": USER, "max_completion_tokens": 0}, 400,
      "max_completion_tokens", None),

@@ -4,7 +4,8 @@ from skippy_cache.diskchunks import CacheDirBusy
 from skippy_cache.runtime.engine import Engine
 from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolAudit, PoolView, available_cores
 from skippy_cache.runtime.gguf_info import GgufInfo, ModelNotFoundError, default_model_path, read_gguf_info
-from skippy_cache.runtime.native import SamplingParams
+from skippy_cache.runtime.logprobs import MAX_TOP_LOGPROBS, Logprob, TokenLogprobs
+from skippy_cache.runtime.native import PENALTY_LAST_N, SamplingParams, json_grammar
 from skippy_cache.runtime.prefixcache import Explanation
 from skippy_cache.runtime.remote import RTT_BUCKETS, RemoteConfig, RemoteStats, redact
 from skippy_cache.runtime.requests import (
@@ -35,7 +36,10 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "GgufInfo",
+    "Logprob",
+    "MAX_TOP_LOGPROBS",
     "ModelNotFoundError",
+    "PENALTY_LAST_N",
     "PoolAudit",
     "PoolView",
     "QueueFullError",
@@ -47,8 +51,10 @@ __all__ = [
     "RequestStats",
     "SamplingParams",
     "TokenEvent",
+    "TokenLogprobs",
     "available_cores",
     "default_model_path",
+    "json_grammar",
     "read_gguf_info",
     "redact",
 ]

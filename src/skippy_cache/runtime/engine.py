@@ -48,7 +48,16 @@ from skippy_cache.runtime.gguf_info import default_model_path, read_gguf_info
 from skippy_cache.runtime.inflight import InflightJoins
 from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolAudit, PoolView, available_cores
 from skippy_cache.runtime.lane import Lane, Phase
-from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel, Sampler, runtime_abi
+from skippy_cache.runtime.logprobs import token_logprobs
+from skippy_cache.runtime.native import (
+    Batch,
+    ContextParams,
+    NativeContext,
+    NativeModel,
+    Sampler,
+    grammar_parses,
+    runtime_abi,
+)
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.runtime.prefixcache import Explanation, PrefixCache
 from skippy_cache.runtime.statestore import open_store
@@ -60,6 +69,7 @@ from skippy_cache.runtime.requests import (
     EventSink,
     FinishReason,
     GenerationRequest,
+    RequestError,
     RequestHandle,
     RequestStats,
     TokenEvent,
@@ -199,6 +209,11 @@ class Engine:
     def validate(self, request: GenerationRequest) -> None:
         """Raise `RequestError` for a request that could never run."""
         validate_request(request, n_vocab=self.model.n_vocab, n_ctx=self.n_ctx)
+        grammar = request.sampling.grammar
+        if grammar is not None and not grammar_parses(self.model, grammar):
+            # The only way a grammar reaches the engine from the API is response_format.
+            raise RequestError("llama.cpp could not parse the grammar made for response_format",
+                               param="response_format")
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
         """Queue a request; events arrive on `sink` from the engine thread."""
@@ -489,7 +504,7 @@ class Engine:
             seq_id=admission.seq_id,
             handle=waiting.handle,
             sink=waiting.sink,
-            sampler=Sampler(request.sampling),
+            sampler=Sampler(request.sampling, self.model, request.tokens),
             stream=TextStream(request.stop),
             reserve=admission.reserve,
             t_submit=waiting.t_submit,
@@ -509,7 +524,7 @@ class Engine:
             lane.t_first = time.perf_counter()
             if request.keep_first_logits:
                 lane.first_logits = hit.logits.copy()
-            self._take_token(lane, lane.sampler.sample_logits(hit.logits))
+            self._take_token(lane, lane.sampler.sample_logits(hit.logits), hit.logits)
             return
         if self.cache.looks_up(lane) and self.joins.join(lane, self.scheduler.lanes):
             return
@@ -523,22 +538,29 @@ class Engine:
             if lane.n_past >= lane.prefill_end:
                 self._prefill_done(lane)
             return
+        logits = None
         if lane.t_first == 0.0:
             lane.t_first = time.perf_counter()
             if lane.request.keep_first_logits or lane.whole_prompt is not None:
                 logits = self.ctx.logits(item.row)
                 lane.first_logits = logits if lane.request.keep_first_logits else None
                 self.cache.first_logits(lane, logits)
-        self._take_token(lane, lane.sampler.sample(self.ctx, item.row))
+        if logits is None and lane.request.top_logprobs is not None:
+            logits = self.ctx.logits(item.row)
+        self._take_token(lane, lane.sampler.sample(self.ctx, item.row), logits)
 
-    def _take_token(self, lane: Lane, token: int) -> None:
-        """A sampled token: finish on EOG, stop string or max_tokens, else feed it back next step."""
+    def _take_token(self, lane: Lane, token: int, logits: np.ndarray | None = None) -> None:
+        """A sampled token (from `logits`, needed when the request wants logprobs): finish on EOG,
+        stop string or max_tokens, else feed it back next step."""
         if self.model.is_eog(token):
             self._finish(lane, FinishReason.STOP)
             return
         lane.generated.append(token)
         delta = lane.stream.push(self.model.token_bytes(token))
-        self._emit(lane.sink, TokenEvent(token, delta.text))
+        top_n = lane.request.top_logprobs
+        logprobs = None if top_n is None or logits is None else token_logprobs(logits, token, top_n,
+                                                                                self.model.token_bytes)
+        self._emit(lane.sink, TokenEvent(token, delta.text, logprobs))
         if delta.stopped_on is not None:
             self._finish(lane, FinishReason.STOP)
         elif len(lane.generated) >= lane.request.max_tokens:

@@ -10,13 +10,16 @@ vocabulary only and is safe from other threads.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as ll
 import numpy as np
+from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -250,13 +253,52 @@ class Batch:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick each next token. temperature 0 is greedy."""
+    """How to pick each next token. temperature 0 is greedy.
+
+    The chain is llama.cpp's common sampler's, in its order: logit bias,
+    penalties, top-k, top-p, min-p, temperature, then a seeded draw (or the
+    greedy pick); a grammar is checked against the pick, as `common_sampler_sample` does.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    #: Multiplies down the logit of every token among the last `PENALTY_LAST_N` (1: off).
+    repeat_penalty: float = 1.0
+    #: Subtracted from a recent token's logit once per occurrence (0: off).
+    frequency_penalty: float = 0.0
+    #: Subtracted from a recent token's logit once if it occurs at all (0: off).
+    presence_penalty: float = 0.0
+    #: (token id, bias) pairs added to those tokens' logits; -100 bans a token, 100 forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: A GBNF grammar (start rule `root`) every output must match; None: any text.
+    grammar: str | None = None
+
+    @property
+    def penalised(self) -> bool:
+        return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+#: How many recent tokens the penalties count: llama-server's default (`--repeat-last-n 64`).
+PENALTY_LAST_N = 64
+
+
+def json_grammar(schema: dict | None = None) -> str:
+    """GBNF for JSON output: any JSON object (`schema` None), or JSON that follows `schema`.
+
+    llama-cpp-python's own converter (`llama_cpp.llama_grammar`, a port of
+    llama.cpp's json-schema-to-grammar); raises ValueError when it refuses the schema.
+    """
+    if schema is None:
+        return JSON_GBNF
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except RecursionError:
+        raise ValueError("the schema nests too deeply") from None
+    except Exception as exc:  # noqa: BLE001 - the converter raises whatever its walk hits (KeyError, TypeError, ...)
+        raise ValueError(f"the JSON schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from None
 
 
 #: Memory layout of `llama_token_data` (id, logit, p).
@@ -267,10 +309,29 @@ _DEFAULT_SEED = 0xFFFFFFFF
 
 
 class Sampler:
-    """A llama.cpp sampler chain for one request."""
+    """A llama.cpp sampler chain for one request, and its grammar if it has one.
 
-    def __init__(self, params: SamplingParams) -> None:
+    The grammar is kept out of the chain and checked against the chain's pick
+    (one token), the chain running again over the grammar's survivors only when
+    the pick breaks it: llama.cpp's `common_sampler_sample` does this because
+    applying a grammar to the whole vocabulary costs ~15 ms a token here.
+    """
+
+    def __init__(self, params: SamplingParams, model: NativeModel, prompt: Sequence[int] = ()) -> None:
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        self.ptr = chain
+        self.grammar = None
+        if params.logit_bias:
+            biases = (ll.llama_logit_bias * len(params.logit_bias))(*params.logit_bias)
+            # llama.cpp copies the array.
+            ll.llama_sampler_chain_add(
+                chain, ll.llama_sampler_init_logit_bias(model.n_vocab, len(params.logit_bias), biases)
+            )
+        if params.penalised:
+            # This build's signature leads with n_vocab (upstream llama.cpp dropped it).
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_penalties(
+                model.n_vocab, PENALTY_LAST_N, params.repeat_penalty, params.frequency_penalty,
+                params.presence_penalty))
         if params.temperature <= 0:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
         else:
@@ -283,14 +344,41 @@ class Sampler:
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_temp(params.temperature))
             seed = _DEFAULT_SEED if params.seed is None else params.seed & 0xFFFFFFFF
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_dist(seed))
-        self.ptr = chain
+        if params.penalised:
+            # The penalties count the prompt too: llama-server feeds every prompt
+            # token through its sampler (`common_sampler_accept(..., false)`, grammar
+            # left out) before the first pick, so a request penalised here gets the
+            # tokens it would get there. The window holds the last PENALTY_LAST_N
+            # tokens only, so feeding those gives the same counts as feeding all.
+            # Done here, from the prompt, so a cached and an uncached run agree.
+            for token in prompt[-PENALTY_LAST_N:]:
+                ll.llama_sampler_accept(chain, token)
+        if params.grammar is not None:
+            grammar = ll.llama_sampler_init_grammar(model.vocab, params.grammar.encode("utf-8"), b"root")
+            if not grammar:
+                self.close()
+                raise NativeError("llama.cpp could not parse the grammar")
+            self.grammar = grammar
 
     def sample(self, ctx: NativeContext, row: int) -> int:
         """Sample from batch row `row`'s logits and accept the token (`llama_sampler_sample`)."""
-        return int(ll.llama_sampler_sample(self.ptr, ctx.ptr, row))
+        if self.grammar is None:
+            return int(ll.llama_sampler_sample(self.ptr, ctx.ptr, row))
+        ptr = ll.llama_get_logits_ith(ctx.ptr, row)
+        return self.sample_logits(np.ctypeslib.as_array(ptr, shape=(ctx.model.n_vocab,)))
 
     def sample_logits(self, logits: np.ndarray) -> int:
         """What `sample` does, on logits kept from an earlier decode: apply the chain, accept."""
+        token = self._pick(logits, with_grammar=False)
+        if self.grammar is not None:
+            if not self._grammar_allows(token):
+                token = self._pick(logits, with_grammar=True)
+            ll.llama_sampler_accept(self.grammar, token)
+        ll.llama_sampler_accept(self.ptr, token)
+        return token
+
+    def _pick(self, logits: np.ndarray, *, with_grammar: bool) -> int:
+        """The chain's choice over all of `logits` (with the grammar applied first: only over what it allows)."""
         n = logits.shape[0]
         data = np.empty(n, dtype=_TOKEN_DATA)
         data["id"] = np.arange(n, dtype=np.int32)
@@ -299,14 +387,36 @@ class Sampler:
         cur = ll.llama_token_data_array(
             data=data.ctypes.data_as(ll.llama_token_data_p), size=n, selected=-1, sorted=False
         )
+        if with_grammar:
+            ll.llama_sampler_apply(self.grammar, ctypes.byref(cur))
         ll.llama_sampler_apply(self.ptr, ctypes.byref(cur))
         if not 0 <= cur.selected < cur.size:
             raise NativeError(f"the sampler chain selected no token ({cur.selected})")
-        token = int(cur.data[cur.selected].id)
-        ll.llama_sampler_accept(self.ptr, token)
-        return token
+        chosen = cur.data[cur.selected]
+        if with_grammar and chosen.logit == -np.inf:
+            # Accepting a token the grammar refuses aborts the process inside llama.cpp.
+            raise NativeError("the grammar allows no token here")
+        return int(chosen.id)
+
+    def _grammar_allows(self, token: int) -> bool:
+        one = (ll.llama_token_data * 1)(ll.llama_token_data(token, 1.0, 0.0))
+        cur = ll.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
+        ll.llama_sampler_apply(self.grammar, ctypes.byref(cur))
+        return one[0].logit != -np.inf
 
     def close(self) -> None:
         if self.ptr:
             ll.llama_sampler_free(self.ptr)
             self.ptr = None
+        if self.grammar:
+            ll.llama_sampler_free(self.grammar)
+            self.grammar = None
+
+
+def grammar_parses(model: NativeModel, grammar: str) -> bool:
+    """llama.cpp accepts `grammar` (GBNF, start rule `root`); it logs why when it does not."""
+    sampler = ll.llama_sampler_init_grammar(model.vocab, grammar.encode("utf-8"), b"root")
+    if not sampler:
+        return False
+    ll.llama_sampler_free(sampler)
+    return True

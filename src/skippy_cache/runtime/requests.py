@@ -9,6 +9,7 @@ from enum import Enum
 
 import numpy as np
 
+from skippy_cache.runtime.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy_cache.runtime.native import SamplingParams
 
 
@@ -46,6 +47,8 @@ class GenerationRequest:
     keep_first_logits: bool = False
     #: Keep the whole prompt's entry resident (bounded: `EngineConfig.pin_percent`).
     pin: bool = False
+    #: Give each token event its logprob and this many most likely alternatives (None: no logprobs).
+    top_logprobs: int | None = None
 
 
 def validate_request(request: GenerationRequest, *, n_vocab: int, n_ctx: int) -> None:
@@ -57,6 +60,16 @@ def validate_request(request: GenerationRequest, *, n_vocab: int, n_ctx: int) ->
             raise RequestError(f"token id {token} is outside the vocabulary (0..{n_vocab - 1})", param="prompt")
     if request.max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
+    for token, _bias in request.sampling.logit_bias:
+        if not 0 <= token < n_vocab:
+            raise RequestError(f"logit_bias: token id {token} is outside the vocabulary (0..{n_vocab - 1})",
+                               param="logit_bias")
+    if request.sampling.repeat_penalty <= 0:
+        raise RequestError(f"repeat_penalty must be above 0, got {request.sampling.repeat_penalty}",
+                           param="repeat_penalty")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {request.top_logprobs}",
+                           param="top_logprobs")
     if len(request.tokens) >= n_ctx:
         raise RequestError(
             f"the prompt has {len(request.tokens)} tokens; the context holds {n_ctx}",
@@ -105,6 +118,8 @@ class TokenEvent:
     token: int
     #: Text now safe to show (may be empty: a partial character or a possible stop string).
     text: str
+    #: The token's logprob and alternatives, when the request asked (`top_logprobs`).
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,7 @@ class EngineRun:
             self.handle.cancel()
 
 
-async def cancel_on_disconnect(request: Request, run: EngineRun) -> None:
+async def cancel_on_disconnect(request: Request, run: EngineRun | EngineRuns) -> None:
     """Cancel `run` when the client goes away; run as a task next to the response.
 
     After the body has been read, the next ASGI message is `http.disconnect`
@@ -79,3 +79,41 @@ async def cancel_on_disconnect(request: Request, run: EngineRun) -> None:
         if message["type"] == "http.disconnect":
             run.cancel()
             return
+
+
+class EngineRuns:
+    """The runs of one HTTP request, one per choice (`n`), seen as one."""
+
+    def __init__(self, runs: list[EngineRun]) -> None:
+        self.runs = runs
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def cancel(self) -> None:
+        for run in self.runs:
+            run.cancel()
+
+    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+        """(choice index, event) as they come, until every run has sent its DoneEvent."""
+        if len(self.runs) == 1:
+            async for event in self.runs[0].events():
+                yield 0, event
+            return
+        merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+        async def pump(index: int, run: EngineRun) -> None:
+            async for event in run.events():
+                merged.put_nowait((index, event))
+
+        pumps = [asyncio.create_task(pump(i, run)) for i, run in enumerate(self.runs)]
+        try:
+            left = len(self.runs)
+            while left:
+                index, event = await merged.get()
+                if isinstance(event, DoneEvent):
+                    left -= 1
+                yield index, event
+        finally:
+            for task in pumps:
+                task.cancel()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -14,21 +14,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from skippy_cache.runtime import (
+    DoneEvent,
     Engine,
     EngineClosedError,
     FinishReason,
     GenerationRequest,
     QueueFullError,
     RequestError,
+    SamplingParams,
     TokenEvent,
+    TokenLogprobs,
 )
-from skippy_cache.server.bridge import EngineRun, cancel_on_disconnect
+from skippy_cache.server.bridge import EngineRun, EngineRuns, cancel_on_disconnect
 from skippy_cache.server.chat import ChatFormatter, ChatTemplateError
 from skippy_cache.server.errors import APIError, error_body, from_engine_error, from_validation_errors
 from skippy_cache.server.limits import RequestLimits
 from skippy_cache.server.metrics import ServerMetrics
 from skippy_cache.server.modelnames import ModelNames
-from skippy_cache.server.responses import ChatFormat, CompletionFormat, ResponseFormat
+from skippy_cache.server.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
 from skippy_cache.server.responses import explanation_answer
 from skippy_cache.server.schemas import (
     CacheQuery,
@@ -65,8 +68,13 @@ class Generation:
         tokens = await self._prompt_tokens(body.prompt)
         self.limits.check_prompt(len(tokens), param="prompt")
         max_tokens = body.max_tokens_or_default()
+        echo = ""
+        if body.echo:
+            prompt = body.prompt
+            echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.engine.detokenize, tokens)
         run = self._submit(body, tokens, max_tokens, prompt_param="prompt")
-        fmt = CompletionFormat(self.model_id, self.system_fingerprint)
+        fmt = CompletionFormat(self.model_id, self.system_fingerprint, echo=echo,
+                               logprobs=body.logprobs is not None)
         return await self._respond(request, run, body, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -82,7 +90,8 @@ class Generation:
             # at least 1 so a prompt that fills the context gets the engine's context error.
             max_tokens = max(min(self.settings.default_max_tokens, self.engine.info.n_ctx - len(tokens)), 1)
         run = self._submit(body, tokens, max_tokens, prompt_param="messages")
-        return await self._respond(request, run, body, ChatFormat(self.model_id, self.system_fingerprint))
+        fmt = ChatFormat(self.model_id, self.system_fingerprint, logprobs=bool(body.logprobs))
+        return await self._respond(request, run, body, fmt)
 
     async def explain(self, request: Request) -> Response:
         """What a request with this prompt would reuse right now, from where, and why not more."""
@@ -131,42 +140,74 @@ class Generation:
         return self.engine.tokenize(text, add_special=not self.chat.starts_with_bos(text))
 
     def _submit(self, body: CompletionRequest | ChatCompletionRequest, tokens: list[int], max_tokens: int,
-                *, prompt_param: str) -> EngineRun:
-        request = GenerationRequest(
-            tokens=tokens,
-            max_tokens=max_tokens,
-            sampling=body.sampling(),
-            stop=body.stop_strings(),
-            namespace=body.cache_salt,
-            lookup=body.cache.lookup,
-            record=body.cache.store,
-            pin=body.pin,
-        )
+                *, prompt_param: str) -> EngineRuns:
+        """One engine request per choice (`n`), all with the same prompt: the first prefills it, the
+        others share its cells in flight or reuse its entry, so a choice costs about its decode."""
+        sampling = body.sampling()
+        runs: list[EngineRun] = []
         try:
-            return EngineRun(self.engine, request, on_done=self.metrics.observe_done)
+            for index in range(body.choices):
+                request = GenerationRequest(
+                    tokens=tokens,
+                    max_tokens=max_tokens,
+                    sampling=_choice_sampling(sampling, index),
+                    stop=body.stop_strings(),
+                    namespace=body.cache_salt,
+                    lookup=body.cache.lookup,
+                    record=body.cache.store,
+                    pin=body.pin,
+                    top_logprobs=body.top_logprobs_wanted,
+                )
+                runs.append(EngineRun(self.engine, request, on_done=self.metrics.observe_done))
         except (RequestError, QueueFullError, EngineClosedError) as exc:
+            for run in runs:
+                run.cancel()
             raise from_engine_error(exc, prompt_param=prompt_param) from None
+        return EngineRuns(runs)
 
-    async def _respond(self, request: Request, run: EngineRun,
+    async def _respond(self, request: Request, runs: EngineRuns,
                        body: CompletionRequest | ChatCompletionRequest, fmt: ResponseFormat) -> Response:
-        # Cancels the engine request if the client goes away; ends by itself
+        # Cancels the engine requests if the client goes away; ends by itself
         # once the response is complete (the server then reports a disconnect).
-        watcher = asyncio.create_task(cancel_on_disconnect(request, run))
+        watcher = asyncio.create_task(cancel_on_disconnect(request, runs))
         if body.stream:
-            events = _sse(run, fmt, body.include_usage, watcher)
+            events = _sse(runs, fmt, body.include_usage, watcher)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            done = await run.result()
+            choices = await _collect(runs)
         finally:
             # A watcher that ended by itself saw the client go (no response was sent yet).
             client_left = watcher.done() and not watcher.cancelled()
             watcher.cancel()
-            run.cancel()
-        if done.finish_reason is FinishReason.ERROR:
-            raise APIError(500, done.error or "generation failed", type="server_error")
-        if done.finish_reason is FinishReason.CANCELLED:
-            raise _cancelled(client_left)
-        return JSONResponse(fmt.response(done.text, done.finish_reason, done.stats))
+            runs.cancel()
+        for choice in choices:
+            done = choice.done
+            if done.finish_reason is FinishReason.ERROR:
+                raise APIError(500, done.error or "generation failed", type="server_error")
+            if done.finish_reason is FinishReason.CANCELLED:
+                raise _cancelled(client_left)
+        return JSONResponse(fmt.response(choices))
+
+
+def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index` draws with seed + index, so seeded choices differ and each is reproducible
+    (choice i of a seeded request is what n=1 with seed + i gives)."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=sampling.seed + index)
+
+
+async def _collect(runs: EngineRuns) -> list[Choice]:
+    """Every choice's DoneEvent and, when the request asked, its tokens' logprobs."""
+    logprobs: list[list[TokenLogprobs]] = [[] for _ in range(len(runs))]
+    dones: list[DoneEvent | None] = [None] * len(runs)
+    async for index, event in runs.events():
+        if isinstance(event, TokenEvent):
+            if event.logprobs is not None:
+                logprobs[index].append(event.logprobs)
+        else:
+            dones[index] = event
+    return [Choice(i, done, logprobs[i]) for i, done in enumerate(dones) if done is not None]
 
 
 def _cancelled(client_left: bool) -> APIError:
@@ -196,31 +237,36 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _sse(run: EngineRun, fmt: ResponseFormat, include_usage: bool,
+async def _sse(runs: EngineRuns, fmt: ResponseFormat, include_usage: bool,
                watcher: asyncio.Task[None]) -> AsyncIterator[str]:
-    """OpenAI's server-sent events: chunks, then `data: [DONE]`.
+    """OpenAI's server-sent events: chunks (each naming its choice's `index`), then `data: [DONE]`.
 
     However the stream ends (finished, client gone and this generator
-    cancelled or closed), `finally` cancels the engine request, so an
-    abandoned request frees its lane at the engine's next step.
+    cancelled or closed), `finally` cancels the engine requests, so an
+    abandoned request frees its lanes at the engine's next step.
     """
     try:
-        for chunk in fmt.opening_chunks():
+        for chunk in fmt.opening_chunks(len(runs)):
             yield _event(chunk)
-        async for event in run.events():
+        stats = []
+        async for index, event in runs.events():
             if isinstance(event, TokenEvent):
-                if event.text:
-                    yield _event(fmt.delta_chunk(event.text))
+                # A token with logprobs gets its chunk even while its text is held back.
+                if event.text or event.logprobs is not None:
+                    yield _event(fmt.delta_chunk(index, event.text, event.logprobs))
                 continue
             if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                yield _event(fmt.final_chunk(event.finish_reason))
-                if include_usage:
-                    yield _event(fmt.usage_chunk(event.stats))
+                yield _event(fmt.final_chunk(index, event.finish_reason))
+                stats.append((index, event.stats))
             else:
                 # Headers are gone already; OpenAI reports mid-stream failures as an error event.
                 message = event.error or f"the request was {event.finish_reason.value}"
                 yield _event(error_body(message, "server_error", code=event.finish_reason.value))
+                break
+        else:
+            if include_usage:
+                yield _event(fmt.usage_chunk([s for _, s in sorted(stats, key=lambda item: item[0])]))
         yield "data: [DONE]\n\n"
     finally:
         watcher.cancel()
-        run.cancel()
+        runs.cancel()

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from skippy_cache.runtime import Explanation, FinishReason, RequestStats
+from skippy_cache.runtime import DoneEvent, Explanation, FinishReason, Logprob, RequestStats, TokenLogprobs
 
 
-def usage(stats: RequestStats) -> dict:
+def usage(stats: Sequence[RequestStats]) -> dict:
+    """One response's usage: the prompt once (every choice ran the same one; the first paid for it,
+    the others reused it), the completion tokens of all choices."""
+    first = stats[0]
+    completion = sum(s.completion_tokens for s in stats)
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.completion_tokens,
-        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
@@ -52,6 +59,59 @@ def finish_reason(reason: FinishReason) -> str:
     return reason.value
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One finished choice of a response: its DoneEvent and, when asked for, each token's logprobs."""
+
+    index: int
+    done: DoneEvent
+    logprobs: list[TokenLogprobs]
+
+
+def token_text(piece: bytes) -> str:
+    """A token as text; a token holding part of a UTF-8 character is spelt `bytes:\\xe2\\x80` as OpenAI does."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+class _LegacyLogprobs:
+    """The completions API's `logprobs` object for one choice, built token by token.
+
+    `text_offset` counts characters of the returned text (after the echoed
+    prompt): the offset where each token's text starts.
+    """
+
+    def __init__(self, offset: int) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._offset = offset
+
+    def shape(self, tokens: Sequence[TokenLogprobs]) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for item in tokens:
+            out["tokens"].append(token_text(item.chosen.piece))
+            out["token_logprobs"].append(item.chosen.logprob)
+            top = {token_text(alt.piece): alt.logprob for alt in item.top}
+            # OpenAI: the sampled token is always there, so up to logprobs + 1 entries.
+            top.setdefault(token_text(item.chosen.piece), item.chosen.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self._offset)
+            self._offset += len(self._decoder.decode(item.chosen.piece))
+        return out
+
+
+def _chat_logprob(item: Logprob) -> dict:
+    return {"token": token_text(item.piece), "logprob": item.logprob, "bytes": list(item.piece)}
+
+
+def chat_logprobs(tokens: Sequence[TokenLogprobs]) -> dict:
+    """The chat API's `logprobs` object: `content`, one entry per token with its `top_logprobs`."""
+    content = [{**_chat_logprob(item.chosen), "top_logprobs": [_chat_logprob(alt) for alt in item.top]}
+               for item in tokens]
+    return {"content": content, "refusal": None}
+
+
 class _Envelope:
     """What every object of one response shares: id, creation time, model."""
 
@@ -74,26 +134,49 @@ class _Envelope:
 class CompletionFormat(_Envelope):
     """`text_completion` objects (/v1/completions)."""
 
-    def __init__(self, model: str, system_fingerprint: str) -> None:
+    def __init__(self, model: str, system_fingerprint: str, *, echo: str = "", logprobs: bool = False) -> None:
         super().__init__(model, system_fingerprint, "cmpl")
+        #: The prompt's text, returned before each choice's completion (`echo`).
+        self.echo = echo
+        self.logprobs = logprobs
+        self._legacy: dict[int, _LegacyLogprobs] = {}
 
-    def response(self, text: str, reason: FinishReason, stats: RequestStats) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage(stats),
-                "skippy_cache": cache_answer(stats)}
+    def response(self, choices: Sequence[Choice]) -> dict:
+        out = [
+            {
+                "index": c.index,
+                "text": self.echo + c.done.text,
+                "logprobs": self._logprobs(c.index, c.logprobs),
+                "finish_reason": finish_reason(c.done.finish_reason),
+            }
+            for c in choices
+        ]
+        stats = [c.done.stats for c in choices]
+        return {**self._head("text_completion"), "choices": out, "usage": usage(stats),
+                "skippy_cache": cache_answer(stats[0])}
 
-    def opening_chunks(self) -> list[dict]:
-        return []
+    def opening_chunks(self, n_choices: int) -> list[dict]:
+        if not self.echo:
+            return []
+        return [self._chunk({"index": i, "text": self.echo, "logprobs": None, "finish_reason": None})
+                for i in range(n_choices)]
 
-    def delta_chunk(self, text: str) -> dict:
-        return self._chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": None})
+    def delta_chunk(self, index: int, text: str, logprobs: TokenLogprobs | None = None) -> dict:
+        shaped = self._logprobs(index, [logprobs]) if logprobs is not None else None
+        return self._chunk({"index": index, "text": text, "logprobs": shaped, "finish_reason": None})
 
-    def final_chunk(self, reason: FinishReason) -> dict:
-        return self._chunk({"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)})
+    def final_chunk(self, index: int, reason: FinishReason) -> dict:
+        return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)})
 
-    def usage_chunk(self, stats: RequestStats) -> dict:
+    def usage_chunk(self, stats: Sequence[RequestStats]) -> dict:
         return {**self._head("text_completion"), "choices": [], "usage": usage(stats),
-                "skippy_cache": cache_answer(stats)}
+                "skippy_cache": cache_answer(stats[0])}
+
+    def _logprobs(self, index: int, tokens: Sequence[TokenLogprobs]) -> dict | None:
+        if not self.logprobs:
+            return None
+        legacy = self._legacy.setdefault(index, _LegacyLogprobs(len(self.echo)))
+        return legacy.shape(tokens)
 
     def _chunk(self, choice: dict) -> dict:
         return {**self._head("text_completion"), "choices": [choice], "usage": None}
@@ -102,34 +185,40 @@ class CompletionFormat(_Envelope):
 class ChatFormat(_Envelope):
     """`chat.completion` objects and `chat.completion.chunk` chunks (/v1/chat/completions)."""
 
-    def __init__(self, model: str, system_fingerprint: str) -> None:
+    def __init__(self, model: str, system_fingerprint: str, *, logprobs: bool = False) -> None:
         super().__init__(model, system_fingerprint, "chatcmpl")
+        self.logprobs = logprobs
 
-    def response(self, text: str, reason: FinishReason, stats: RequestStats) -> dict:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": None,
-            "finish_reason": finish_reason(reason),
-        }
-        return {**self._head("chat.completion"), "choices": [choice], "usage": usage(stats),
-                "skippy_cache": cache_answer(stats)}
+    def response(self, choices: Sequence[Choice]) -> dict:
+        out = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.done.text, "refusal": None},
+                "logprobs": chat_logprobs(c.logprobs) if self.logprobs else None,
+                "finish_reason": finish_reason(c.done.finish_reason),
+            }
+            for c in choices
+        ]
+        stats = [c.done.stats for c in choices]
+        return {**self._head("chat.completion"), "choices": out, "usage": usage(stats),
+                "skippy_cache": cache_answer(stats[0])}
 
-    def opening_chunks(self) -> list[dict]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)]
+    def opening_chunks(self, n_choices: int) -> list[dict]:
+        return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(n_choices)]
 
-    def delta_chunk(self, text: str) -> dict:
-        return self._chunk({"content": text}, None)
+    def delta_chunk(self, index: int, text: str, logprobs: TokenLogprobs | None = None) -> dict:
+        shaped = chat_logprobs([logprobs]) if logprobs is not None else None
+        return self._chunk(index, {"content": text}, None, shaped)
 
-    def final_chunk(self, reason: FinishReason) -> dict:
-        return self._chunk({}, finish_reason(reason))
+    def final_chunk(self, index: int, reason: FinishReason) -> dict:
+        return self._chunk(index, {}, finish_reason(reason))
 
-    def usage_chunk(self, stats: RequestStats) -> dict:
+    def usage_chunk(self, stats: Sequence[RequestStats]) -> dict:
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats),
-                "skippy_cache": cache_answer(stats)}
+                "skippy_cache": cache_answer(stats[0])}
 
-    def _chunk(self, delta: dict, reason: str | None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def _chunk(self, index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
 
 

@@ -10,21 +10,34 @@ sent with its do-nothing value (`"tools": []`). A client that asks for
 something must never get something else with a 200. Union fields are
 normalised by `before` validators, so an error names the field (`prompt`),
 not pydantic's union branch (`prompt.list[int][3]`).
+
+The sampling fields are done by llama.cpp's sampler (runtime/native.py):
+`frequency_penalty`, `presence_penalty` and `repeat_penalty` by its
+penalties sampler, `logit_bias` by its logit-bias sampler, `response_format`
+(`json_object`, `json_schema`) by a grammar, and `logprobs`/`top_logprobs`
+from the raw logits; `n` runs the prompt n times (prefilled once, the cache
+serves the rest) and `echo` prepends the prompt's text.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from skippy_cache.runtime import SamplingParams
+from skippy_cache.runtime import MAX_TOP_LOGPROBS, SamplingParams, json_grammar
 
 #: The legacy completions API's default (OpenAI and vLLM).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 #: OpenAI's default; 0 is greedy.
 DEFAULT_TEMPERATURE = 1.0
+#: Most choices (`n`) one request may ask for: each is a request of its own on the engine.
+MAX_CHOICES = 16
+#: The legacy completions API's limit on `logprobs` (OpenAI's).
+MAX_COMPLETION_LOGPROBS = 5
+#: OpenAI's range of a logit bias: -100 bans a token, 100 forces it.
+MAX_LOGIT_BIAS = 100.0
 
 
 class _Strict(BaseModel):
@@ -75,6 +88,50 @@ class CacheControl(_Strict):
     store: bool = True
 
 
+class JsonSchemaSpec(_Strict):
+    """`response_format.json_schema`: OpenAI's structured output."""
+
+    name: str | None = None
+    description: str | None = None
+    #: Aliased: `schema` shadows a pydantic BaseModel attribute. Absent: any JSON object.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    #: Either way the output follows the schema, as far as the grammar converter supports it.
+    strict: bool | None = None
+
+
+class ResponseFormatSpec(_Strict):
+    """`response_format`: text, any JSON object, or JSON following a schema, enforced by a llama.cpp
+    grammar made here by llama-cpp-python's JSON-schema converter (a schema it refuses is a 400)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+    #: llama-cpp-python's spelling: `{"type": "json_object", "schema": {...}}`.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    _grammar: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _make_grammar(self) -> ResponseFormatSpec:
+        if self.type == "text":
+            if self.json_schema is not None or self.schema_ is not None:
+                raise ValueError("type 'text' takes no schema")
+            return self
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("type 'json_schema' needs a 'json_schema' object")
+            schema = self.json_schema.schema_
+        else:
+            if self.json_schema is not None:
+                raise ValueError("type 'json_object' takes no 'json_schema' (use type 'json_schema')")
+            schema = self.schema_
+        self._grammar = json_grammar(schema)  # ValueError: a 400 naming response_format
+        return self
+
+    @property
+    def grammar(self) -> str | None:
+        """GBNF for the output (start rule `root`); None for text."""
+        return self._grammar
+
+
 class _GenerationFields(_Strict):
     """Fields both endpoints share."""
 
@@ -90,7 +147,18 @@ class _GenerationFields(_Strict):
     stop: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    #: Choices: the same prompt run n times (prefilled once; the cache serves the rest).
+    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)
+    #: llama.cpp's penalties (its penalties sampler) over the last PENALTY_LAST_N tokens of prompt
+    #: and output, as llama-server counts them: subtracted once per occurrence / once if present.
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    #: llama.cpp's (and llama-cpp-python's) multiplicative repeat penalty; 1 is off.
+    repeat_penalty: float | None = Field(default=None, gt=0.0)
+    #: {token id: bias}, added to the token's logit before sampling (greedy too).
+    logit_bias: dict[str, float] | None = None
+    #: Text, or JSON through a grammar the output must follow.
+    response_format: ResponseFormatSpec | None = None
     #: Ignored: an end-user id for OpenAI's abuse monitoring; it cannot change the output.
     user: str | None = None
     #: Own cache namespace: requests with different salts never share cached state.
@@ -111,11 +179,14 @@ class _GenerationFields(_Strict):
         # How many and how long: the server's limits (limits.py), which an operator sets.
         return value
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported, got {value}")
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"a bias must be within -{MAX_LOGIT_BIAS:g}..{MAX_LOGIT_BIAS:g}, got {bias}")
         return value
 
     @property
@@ -127,6 +198,10 @@ class _GenerationFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
     def sampling(self) -> SamplingParams:
         return SamplingParams(
             temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
@@ -134,6 +209,11 @@ class _GenerationFields(_Strict):
             top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p or 0.0,
             seed=self.seed,
+            repeat_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
+            grammar=self.response_format.grammar if self.response_format is not None else None,
         )
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -142,6 +222,10 @@ class _GenerationFields(_Strict):
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int]
+    #: Each sampled token's logprob and those of this many most likely tokens (OpenAI's legacy shape).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    #: Return the prompt's text before the completion.
+    echo: bool = False
     #: Not supported: text after the insertion point. Accepted only as null or "".
     suffix: Any = None
     #: Not supported: sample several and return the best. Accepted only as null or 1.
@@ -158,9 +242,23 @@ class CompletionRequest(_GenerationFields):
     def _prompt_shape(cls, value: Any) -> Any:
         return _prompt_shape(value)
 
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        # OpenAI then gives the prompt tokens' logprobs too: a logits row per prompt
+        # token, which prefill (and a cache hit all the more) never computes.
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo together with logprobs is not supported (prompt tokens have no logprobs here)")
+        return value
+
     def max_tokens_or_default(self) -> int:
         requested = self.requested_max_tokens
         return COMPLETIONS_DEFAULT_MAX_TOKENS if requested is None else requested
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """How many alternatives each token's logprobs carry; None: no logprobs."""
+        return self.logprobs
 
 
 class ChatMessage(_Strict):
@@ -204,6 +302,21 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    #: Each output token's logprob (`choices[].logprobs.content`), with `top_logprobs` alternatives.
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """How many alternatives each token's logprobs carry; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     # Ignored: what the official client sends that cannot change the output.
     #: Key-value tags of a stored completion (nothing is stored).
