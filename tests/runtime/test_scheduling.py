@@ -6,6 +6,8 @@ assertion is about which tokens one step decoded, never about time.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from fastmode import LOGIT_TOLERANCE, assert_logits_close
@@ -13,7 +15,7 @@ from prompts import make_tokens
 
 from skippy_cache.runtime import Engine, EngineConfig
 from skippy_cache.runtime.lane import Lane, Phase
-from skippy_cache.runtime.requests import DoneEvent, Event, FinishReason, GenerationRequest
+from skippy_cache.runtime.requests import DoneEvent, Event, FinishReason, GenerationRequest, TokenEvent
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
 
@@ -143,3 +145,48 @@ def test_a_joiner_whose_leader_is_cancelled_prefills_on_its_own(engine: Engine) 
     assert done[id(joiner)].finish_reason is FinishReason.LENGTH
     assert done[id(joiner)].stats.cached_tokens == 0
     assert engine.cache.stats().counters.joins == before
+
+
+def test_a_decode_row_never_shares_a_step_with_a_prefill_chunk(engine: Engine) -> None:
+    # A step of 64 rows or more runs llama.cpp's tiled attention kernel; a decode row there
+    # would get other floats than in a step of decode rows. And no step holds one row alone.
+    submit(engine, GenerationRequest(tokens=make_tokens(engine, 90, seed=550), max_tokens=6))
+    engine.step()
+    submit(engine, GenerationRequest(tokens=make_tokens(engine, 900, seed=551), max_tokens=2))
+    kinds = []
+    while engine.step():
+        batch = engine._batch
+        wants_logits = batch.logits[: batch.n_tokens].astype(bool)
+        assert batch.n_tokens >= 2
+        assert batch.n_tokens < 64 or not wants_logits.any()
+        kinds.append("decode" if wants_logits.any() else "prefill")
+    engine._outbox.clear()
+    # The long prompt's chunks and the short one's tokens took turns.
+    assert "decode" in kinds and "prefill" in kinds and kinds.index("prefill") < len(kinds) - kinds[::-1].index("decode")
+    assert all(engine.pool.cells.pos_max(seq) == -1 for seq in range(engine.config.lanes + 1))
+
+
+def test_an_exact_repeat_continues_bit_for_bit_whatever_else_the_pool_holds() -> None:
+    # The repeat's first token comes from the logits kept with the entry; the ones after it are
+    # decoded again, beside a pool five times as full. Decoding alone, a lane's one row would be
+    # split across the two threads at a point that moves with that occupancy.
+    engine = Engine(EngineConfig(ctx_size=8192, lanes=4, threads=2, idle_tokens=0))
+    try:
+        prompt = make_tokens(engine, 600, seed=560)
+
+        def logprobs_of(request: GenerationRequest) -> tuple[list[tuple[int, float]], DoneEvent]:
+            events: list[Event] = []
+            done = threading.Event()
+            engine.submit(request, lambda e: (events.append(e), isinstance(e, DoneEvent) and done.set()))
+            assert done.wait(300)
+            tokens = [(e.token, e.logprobs.chosen.logprob) for e in events if isinstance(e, TokenEvent)]
+            return tokens, events[-1]
+
+        first, _ = logprobs_of(GenerationRequest(tokens=prompt, max_tokens=12, top_logprobs=0, pin=True))
+        engine.generate(GenerationRequest(tokens=make_tokens(engine, 2400, seed=561), max_tokens=2))
+        assert engine.pool.used_cells > 5 * len(prompt)
+        again, done = logprobs_of(GenerationRequest(tokens=prompt, max_tokens=12, top_logprobs=0))
+        assert done.stats.cached_tokens == len(prompt) and done.stats.cache_source == "resident"
+        assert again == first
+    finally:
+        engine.close()

@@ -21,35 +21,48 @@ class Planned:
 
 
 class BatchBuilder:
-    """Fills the batch so that first tokens come out early.
+    """Fills the batch so that first tokens come out early and a decode row's floats do not
+    depend on what else runs.
 
-    Fast mode, in this order:
-    - every decoding lane's next token (one row each);
-    - when a lane's last prompt token is among them, nothing else: its first
-      token would otherwise wait for another lane's whole prefill chunk, which
-      takes hundreds of times as long as a decode row;
-    - prefill chunks, short remaining prefills first, then in arrival order.
-      The first chunk may fill the batch; further lanes join only while the
-      step holds fewer than `fill_tokens` tokens. Past that size a CPU matmul
-      costs no less per token, so a larger step only makes the lanes ahead
-      wait for the tokens of the lanes behind them.
+    llama.cpp's CPU flash attention picks its kernel from the step's row count
+    (EXACTNESS.md): 64 rows or more run a tiled kernel; 2 to 63 run row by row,
+    each row over its own sequence's cells in cell order, whatever else is in
+    the step or the pool; a lone row is split across threads at points that
+    move with the pool's occupancy. So in fast mode a step holds either decode
+    rows or prefill chunks, never both, and a step of one row gets a pad row
+    of a spare sequence: every decode row is computed row by row, the same
+    alone or next to other lanes, and an exact repeat continues as its first
+    run did. Steps alternate while both kinds wait:
+    - a decode step: every decoding lane's next token (one row each). It comes
+      right after a prefill step, and whenever a lane's last prompt token waits:
+      that first token would otherwise wait for another lane's whole prefill
+      chunk, which takes hundreds of times as long as a decode step;
+    - a prefill step: chunks, short remaining prefills first, then in arrival
+      order. The first chunk may fill the batch; further lanes join only while
+      the step holds fewer than `fill_tokens` tokens. Past that size a CPU
+      matmul costs no less per token, so a larger step only makes the lanes
+      ahead wait for the tokens of the lanes behind them.
 
-    Deterministic mode never lets a prefill chunk share a decode with other
-    lanes' tokens and alternates prefill and decode steps, so a chunk's floats
-    do not depend on what else runs.
+    Deterministic mode (one thread) also runs a prefill chunk alone, one grid
+    step at a time, so a chunk's floats do not depend on what else runs.
     """
 
-    def __init__(self, batch: Batch, grid: int, *, deterministic: bool, fill_tokens: int) -> None:
+    def __init__(self, batch: Batch, grid: int, *, deterministic: bool, fill_tokens: int, pad_seq: int) -> None:
         self.batch = batch
         self.grid = grid
         self.deterministic = deterministic
         self.fill_tokens = fill_tokens
+        #: The spare sequence of the pad row.
+        self.pad_seq = pad_seq
+        #: This step's pad row as a run (sequence, p0, p1), or None; the engine frees it after the decode.
+        self.pad: tuple[int, int, int] | None = None
         self._last_step_prefilled = False
 
     def fill(self, lanes: list[Lane]) -> list[Planned]:
         """The runs of this step's batch, in batch order (empty: nothing to decode)."""
         batch = self.batch
         batch.clear()
+        self.pad = None
         planned: list[Planned] = []
         decoding = [lane for lane in lanes if lane.phase in (Phase.LAST_TOKEN, Phase.DECODE)]
         prefilling = [lane for lane in lanes if lane.phase is Phase.PREFILL]
@@ -65,22 +78,31 @@ class BatchBuilder:
             self._last_step_prefilled = True
             return planned
 
+        last_token = any(lane.phase is Phase.LAST_TOKEN for lane in decoding)
+        if prefilling and not (decoding and (self._last_step_prefilled or last_token)):
+            # A prefill step holds no decode row: with 64 rows or more a decode row
+            # would take the tiled kernel, and its floats would depend on what else runs.
+            prefilling.sort(key=lambda lane: (lane.prefill_end - lane.n_past > self.fill_tokens, lane.t_submit))
+            for lane in prefilling:
+                first = not planned
+                budget = batch.capacity - batch.n_tokens if first else self.fill_tokens - batch.n_tokens
+                if budget <= 0:
+                    break
+                end = next_chunk_end(lane.n_past, lane.prefill_end, budget, self.grid, must_progress=first)
+                if end > lane.n_past:
+                    planned.append(self._add_chunk(lane, end))
+            self._last_step_prefilled = True
+            return self._padded(planned)
         for lane in decoding:
             row = batch.add(lane.seq_id, [lane.next_token], lane.n_past, True)
             planned.append(Planned(lane, lane.n_past, lane.n_past + 1, row))
         self._last_step_prefilled = False
-        if self.deterministic or any(lane.phase is Phase.LAST_TOKEN for lane in decoding):
-            return planned
-        prefilling.sort(key=lambda lane: (lane.prefill_end - lane.n_past > self.fill_tokens, lane.t_submit))
-        for lane in prefilling:
-            first = not any(p.row < 0 for p in planned)
-            budget = batch.capacity - batch.n_tokens if first else self.fill_tokens - batch.n_tokens
-            if budget <= 0:
-                break
-            end = next_chunk_end(lane.n_past, lane.prefill_end, budget, self.grid, must_progress=first)
-            if end > lane.n_past:
-                planned.append(self._add_chunk(lane, end))
-                self._last_step_prefilled = True
+        return self._padded(planned)
+
+    def _padded(self, planned: list[Planned]) -> list[Planned]:
+        if self.batch.n_tokens == 1 and not self.deterministic:
+            self.batch.add(self.pad_seq, [0], 0, False)
+            self.pad = (self.pad_seq, 0, 1)
         return planned
 
     def _add_chunk(self, lane: Lane, end: int) -> Planned:

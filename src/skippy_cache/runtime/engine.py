@@ -142,10 +142,11 @@ class Engine:
         )
         self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue, one_at_a_time=det)
         self._batch = Batch(config.n_batch)
-        self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det, fill_tokens=config.fill_tokens)
-        self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens)
         # The seed reserves two sequence ids per lane; the ids past the lanes
-        # are spare, and deterministic mode pads with the first of them.
+        # are spare: a one-row step's pad row and deterministic mode's pads use the first.
+        self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
+                                     fill_tokens=config.fill_tokens, pad_seq=config.lanes)
+        self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens)
         self.placement = AlignedPlacement(self.pool, config.lanes, config.n_batch) if det else FreePlacement()
         self.info = EngineInfo(
             model=gguf,
@@ -459,12 +460,17 @@ class Engine:
             return True
         self.placement.before_decode(planned, self.cache.evict_one)
         runs = [(p.lane.seq_id, p.p0, p.p1) for p in planned]
+        pad = self._builder.pad
+        if pad is not None:
+            runs.append(pad)
         t0 = time.perf_counter()
         status = self.pool.decode(self._batch, runs)
         if status == 1 and self.cache.drop_resident():
             # No slot despite the mirror's count (fragmentation or padding):
             # drop the cache rather than a request, and try once more.
             status = self.pool.decode(self._batch, runs)
+        if pad is not None and status == 0:
+            self.pool.free(pad[0])
         if status != 0:
             self._decode_failures += 1
             self._fail_lanes([p.lane for p in planned], f"llama_decode failed with status {status}")
