@@ -1,6 +1,7 @@
-"""Does the cache change answers? Cache on vs cache off, and batching alone, in the default mode.
+"""Does the cache change answers? Cache on vs cache off, and batching alone, in each mode.
 
-    .venv/bin/python benchmarks/fast_mode_drift.py [--tokens 24] [--model PATH]
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/fast_mode_drift.py [--tokens 24] [--model PATH]
+        [--modes fast,deterministic]
 
 The check a new user would run: 10 prompts (two long shared bases, four
 tails each, then two exact repeats), greedy, `--tokens` tokens each, sent to
@@ -52,29 +53,40 @@ def compare(label: str, got: list[Completion], reference: list[Completion]) -> N
           f" (max |diff| {drift:.3g}; {hits} hits)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=24)
-    parser.add_argument("--model", type=Path, default=None)
-    args = parser.parse_args()
+def check(args: argparse.Namespace, deterministic: bool) -> None:
+    """The whole check in one mode: cache off and on, one at a time and 4 at a time."""
+    def engine(**cache: object) -> Engine:
+        return Engine(EngineConfig(model_path=args.model, deterministic=deterministic,
+                                   cache=StageKvCacheConfig(**cache)))  # type: ignore[arg-type]
 
-    off = Engine(EngineConfig(model_path=args.model, cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    off = engine(mode=StageKvCacheMode.DISABLED)
     prompts = suite(off)
     requests = [GenerationRequest(tokens=p, max_tokens=args.tokens, keep_first_logits=True) for p in prompts]
     reference = run(off, requests, 1)
     off_batched = run(off, requests, 4)
     off.close()
 
-    print(f"{len(prompts)} prompts, greedy {args.tokens} tokens; reference: cache off, one at a time")
+    mode = "deterministic mode" if deterministic else "default (fast) mode"
+    print(f"{mode}: {len(prompts)} prompts, greedy {args.tokens} tokens; reference: cache off, one at a time")
     compare("cache off, 4 at a time (batching alone)", off_batched, reference)
     for at_once in (1, 4):
-        on = Engine(EngineConfig(model_path=args.model))
+        on = engine()
         got = run(on, requests, at_once)
         on.close()
         compare(f"cache on, {at_once} at a time", got, reference)
         # The last two prompts repeat earlier ones: their text against the first run's, same engine.
         same = sum(got[i].tokens == got[prompts.index(prompts[i])].tokens for i in (len(prompts) - 2, len(prompts) - 1))
-        print(f"    exact repeats whose text equals their first run's: {same} of 2")
+        print(f"    exact repeats whose text equals their first run's: {same} of 2", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--modes", default="fast,deterministic", help="comma-separated: fast, deterministic")
+    args = parser.parse_args()
+    for mode in args.modes.split(","):
+        check(args, deterministic=mode.strip() == "deterministic")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from skippy_cache.placement import ALIGN
 from skippy_cache.prefill import next_chunk_end
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch
@@ -28,8 +29,8 @@ class BatchBuilder:
     (EXACTNESS.md): 64 rows or more run a tiled kernel; 2 to 63 run row by row,
     each row over its own sequence's cells in cell order, whatever else is in
     the step or the pool; a lone row is split across threads at points that
-    move with the pool's occupancy. So in fast mode a step holds either decode
-    rows or prefill chunks, never both, and a step of one row gets a pad row
+    move with the pool's occupancy. So a step holds either decode rows or
+    prefill chunks, never both, and a step of one row gets a pad row
     of a spare sequence: every decode row is computed row by row, the same
     alone or next to other lanes, and an exact repeat continues as its first
     run did. Steps alternate while both kinds wait:
@@ -43,8 +44,12 @@ class BatchBuilder:
       matmul costs no less per token, so a larger step only makes the lanes
       ahead wait for the tokens of the lanes behind them.
 
-    Deterministic mode (one thread) also runs a prefill chunk alone, one grid
-    step at a time, so a chunk's floats do not depend on what else runs.
+    Deterministic mode runs one lane at a time and its prefill chunks alone:
+    whole 64-token blocks first, in chunks as large as the batch (each row on
+    the tiled kernel, whose floats do not depend on the chunk's size when the
+    cells are aligned), then the prompt's last partial block in a chunk of its
+    own (row by row). A hit resumes on a block boundary, so every row is
+    computed by the kernel the cold run used, whatever length was reused.
     """
 
     def __init__(self, batch: Batch, grid: int, *, deterministic: bool, fill_tokens: int, pad_seq: int) -> None:
@@ -68,15 +73,16 @@ class BatchBuilder:
         prefilling = [lane for lane in lanes if lane.phase is Phase.PREFILL]
 
         if self.deterministic and prefilling and not (decoding and self._last_step_prefilled):
-            # One grid step per chunk: a chunk's size picks the matmul kernel,
-            # so a warm run resuming at any grid length must see exactly the
-            # chunks the cold run saw from there on.
+            # The last partial block gets a chunk of its own: were it in a larger
+            # chunk, a hit that resumes at its block boundary (a prompt's longest
+            # grid length) would compute it row by row where the cold run tiled it.
             lane = prefilling[0]
-            budget = min(self.grid, batch.capacity)
-            end = next_chunk_end(lane.n_past, lane.prefill_end, budget, self.grid, must_progress=True)
+            blocks_end = lane.prefill_end - lane.prefill_end % ALIGN
+            chunk_end = blocks_end if lane.n_past < blocks_end else lane.prefill_end
+            end = next_chunk_end(lane.n_past, chunk_end, batch.capacity, self.grid, must_progress=True)
             planned.append(self._add_chunk(lane, end))
             self._last_step_prefilled = True
-            return planned
+            return self._padded(planned)
 
         last_token = any(lane.phase is Phase.LAST_TOKEN for lane in decoding)
         if prefilling and not (decoding and (self._last_step_prefilled or last_token)):
@@ -100,7 +106,7 @@ class BatchBuilder:
         return self._padded(planned)
 
     def _padded(self, planned: list[Planned]) -> list[Planned]:
-        if self.batch.n_tokens == 1 and not self.deterministic:
+        if self.batch.n_tokens == 1:
             self.batch.add(self.pad_seq, [0], 0, False)
             self.pad = (self.pad_seq, 0, 1)
         return planned

@@ -77,6 +77,7 @@ from skippy_cache.runtime.requests import (
 )
 from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement
+from skippy_cache.stateformat import parse
 from skippy_cache.runtime.textstream import TextStream
 from skippy_cache.tiers import CacheTiers
 
@@ -108,7 +109,7 @@ class Engine:
         budgets = ResidentCacheConfig.from_stage(stage, config.cache)
         policy = PrefixCandidatePolicy.from_cache(config.cache)
         det = config.deterministic
-        threads = 1 if det else (config.threads or available_cores())
+        threads = config.threads or available_cores()
         self.ctx = NativeContext(
             self.model,
             ContextParams(
@@ -147,7 +148,7 @@ class Engine:
         self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
                                      fill_tokens=config.fill_tokens, pad_seq=config.lanes)
         self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens)
-        self.placement = AlignedPlacement(self.pool, config.lanes, config.n_batch) if det else FreePlacement()
+        self.placement = AlignedPlacement(self.pool, config.lanes + 1, parse(warm_state).layout) if det else FreePlacement()
         self.info = EngineInfo(
             model=gguf,
             description=self.model.description,

@@ -45,16 +45,17 @@ class EngineConfig:
     #: tokens than this (batching.py): about where a CPU matmul stops getting
     #: cheaper per token (SmolLM2-135M on 2 cores: 6.3 ms/token at 64, 4.6 at 128 and 256).
     fill_tokens: int = 128
-    #: None: every available core (1 in deterministic mode).
+    #: None: every available core.
     threads: int | None = None
     cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = True
-    #: Cache-on output equals cache-off output bit for bit: one thread, one
-    #: request at a time on cells aligned with the grid, and a lane's prefill
-    #: chunk never shares a `llama_decode` (EXACTNESS.md). Costs throughput
-    #: under concurrency.
+    #: Cache-on output equals cache-off output bit for bit: one request at a
+    #: time on cells aligned with the grid, whole 64-token blocks prefilled
+    #: apart from the prompt's last partial block, and a lane's prefill chunk
+    #: never shares a `llama_decode` (EXACTNESS.md, batching.py). Costs
+    #: throughput under concurrency.
     deterministic: bool = False
     max_queue: int = 64
     #: The state store's RAM tier: host RAM for exact states that left the

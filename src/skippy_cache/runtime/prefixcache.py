@@ -29,6 +29,7 @@ the shared tier holds into RAM before its request is queued.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -39,6 +40,7 @@ from blake3 import blake3
 from skippy_cache.config import PrefixCandidatePolicy, StageKvCacheMode
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities, prefix_identity
 from skippy_cache.misses import MissBook, age_bucket, lengths
+from skippy_cache.placement import ALIGN
 from skippy_cache.resident import ResidentCacheError, ResidentEviction
 from skippy_cache.runtime.costs import RestoreCosts
 from skippy_cache.runtime.lane import Lane
@@ -152,10 +154,13 @@ class PrefixCache:
         if not ((self.mode.looks_up and request.lookup) or (self.mode.records and request.record)):
             return  # nothing to look up or record: no hashing
         if self.on_grid:
-            # A lane's own cells start a fresh aligned run, so only grid lengths are reusable.
+            # A lane's own cells start a fresh aligned run, so only grid lengths are
+            # reusable, and only those on a 64-token block boundary: a hit resumes
+            # with a tiled chunk where the cold run started one (batching.py).
             lengths = self.policy.candidate_token_counts(lane.prefill_end)
             lengths += self.policy.record_candidate_token_counts(lane.prefill_end)
-            on_grid = {n for n in lengths if n % self.policy.grid_tokens == 0}
+            step = math.lcm(self.policy.grid_tokens, ALIGN)
+            on_grid = {n for n in lengths if n % step == 0}
             lane.identities = prefix_identities(lane.space, request.tokens[: lane.prefill_end], on_grid)
         elif len(request.tokens) >= max(self.tiers.min_tokens, 1):
             lane.prompt_identity = self._whole_identity(request)

@@ -6,6 +6,12 @@ position order (placement.py). The allocator is first-fit from a moving head,
 so before a lane's chunk is decoded, the free cells the allocator would reach
 before the lane's aligned target are filled with pad tokens of a spare
 sequence, and the pad sequence is freed once no lane runs.
+
+Pads are imported, not computed: a state of zeroed rows goes in through
+`llama_state_seq_set_data`, which places its cells exactly where a decode of
+as many tokens would (the first free cells from the allocator's head). No
+other sequence attends to them, so their rows never matter, and a pad of a
+thousand cells costs a copy of a few MiB instead of a thousand tokens' prefill.
 """
 
 from __future__ import annotations
@@ -15,17 +21,17 @@ from dataclasses import dataclass
 
 from skippy_cache.placement import aligned_target, pad_needed
 from skippy_cache.runtime.batching import Planned
-from skippy_cache.runtime.native import Batch
 from skippy_cache.runtime.pool import CellPool
+from skippy_cache.stateformat import Layout, join
 
-#: Pad attempts per step: each decode of pads may move the allocator's head,
+#: Pad attempts per step: each import of pads may move the allocator's head,
 #: so the pad count is recomputed a few times before giving up on alignment.
 _PAD_ROUNDS = 4
 
 
 @dataclass(slots=True)
 class PlacementStats:
-    #: Pad tokens decoded to steer placement.
+    #: Pad cells imported to steer placement.
     pad_tokens: int = 0
     #: Steps that could not be placed on the alignment grid (not bit-exact).
     unaligned_steps: int = 0
@@ -47,10 +53,10 @@ class FreePlacement:
 class AlignedPlacement:
     """Deterministic mode: one lane at a time, its cells on the grid."""
 
-    def __init__(self, pool: CellPool, pad_seq: int, n_batch: int) -> None:
+    def __init__(self, pool: CellPool, pad_seq: int, layout: Layout) -> None:
         self.pool = pool
         self.pad_seq = pad_seq
-        self._pad_batch = Batch(n_batch)
+        self.layout = layout
         #: The cell of position 0 for each lane (position p sits at base + p).
         self._bases: dict[int, int] = {}
         self.stats = PlacementStats()
@@ -83,7 +89,7 @@ class AlignedPlacement:
             pad = pad_needed(cells, base + p0, n_tokens)
             if pad == 0:
                 return True
-            if not self._decode_pad(pad):
+            if not self._import_pad(pad):
                 break
         self.stats.unaligned_steps += 1
         return False
@@ -94,16 +100,11 @@ class AlignedPlacement:
         if lanes_left == 0:
             self.pool.free(self.pad_seq)
 
-    def _decode_pad(self, count: int) -> bool:
-        batch = self._pad_batch
-        pos = self.pool.cells.pos_max(self.pad_seq) + 1
-        while count > 0:
-            n = min(count, batch.capacity)
-            batch.clear()
-            batch.add(self.pad_seq, [0] * n, pos, False)
-            if self.pool.decode(batch, [(self.pad_seq, pos, pos + n)]) != 0:
-                return False
-            self.stats.pad_tokens += n
-            pos += n
-            count -= n
+    def _import_pad(self, count: int) -> bool:
+        """`count` more pad cells; the import clears the pad sequence first, so its old cells come back too."""
+        total = self.pool.cells.seq_len(self.pad_seq) + count
+        payload = join(self.layout, [bytes(total * self.layout.token_bytes)], total, seq_id=self.pad_seq)
+        if not self.pool.restore(self.pad_seq, payload, total):
+            return False
+        self.stats.pad_tokens += count
         return True

@@ -62,7 +62,7 @@ class ServerSettings:
     port: int = 8000
     ctx_size: int = 8192
     lanes: int = 4
-    #: None: every available core (1 in deterministic mode).
+    #: None: every available core.
     threads: int | None = None
     #: Bearer token required on /v1/*; None leaves the API open.
     api_key: str | None = None
@@ -259,14 +259,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("lanes", "--lanes", "SKIPPY_LANES", "lanes", _int(1, 64),
            "requests decoded concurrently (default 4)", "N"),
     Option("threads", "--threads", "SKIPPY_THREADS", "threads", _int(1),
-           "CPU threads for llama.cpp (default: all available cores; 1 with --deterministic)", "N"),
+           "CPU threads for llama.cpp (default: all available cores)", "N"),
     Option("api_key", "--api-key", "SKIPPY_API_KEY", "api_key", _optional_str,
            "require 'Authorization: Bearer KEY' on /v1/* (default: no key)", "KEY"),
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
            "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
     Option("deterministic", "--deterministic", "SKIPPY_DETERMINISTIC", "deterministic", _bool,
-           "bit-exact mode: output does not depend on other traffic or on cache hits (one thread, "
-           "requests run one at a time: slower under load; default off)", is_bool=True),
+           "bit-exact mode: output does not depend on other traffic or on cache hits (requests "
+           "run one at a time: slower under load; default off)", is_bool=True),
     Option("default_max_tokens", "--default-max-tokens", "SKIPPY_DEFAULT_MAX_TOKENS", "default_max_tokens",
            _int(1), f"max_tokens of a chat request that sets none (default {DEFAULT_CHAT_MAX_TOKENS}, "
            "or what is left of the context if less)", "N"),
