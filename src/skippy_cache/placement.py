@@ -1,4 +1,4 @@
-"""Deterministic mode's placement policy: where a lane's cells should land, and how to get them there.
+"""Deterministic mode's placement policy: where a step's cells should land, and how to get them there.
 
 Why it matters: on llama.cpp's CPU flash-attention kernel the logits of a
 prompt row (the tiled kernel) are bit-identical only when each token's cell index agrees with its
@@ -52,3 +52,24 @@ def pad_needed(cells: CellMap, target: int, n_tokens: int) -> int:
     if start <= target:
         return int(np.count_nonzero(free[start:target]))
     return int(np.count_nonzero(free[start:]) + np.count_nonzero(free[:target]))
+
+
+def order_pad(cells: CellMap, above: int, n_rows: int, n_tokens: int) -> int | None:
+    """Free cells to pad so that the first `n_rows` of a batch of `n_tokens` land past cell `above`.
+
+    0: they already do. None: no pad gets there (fewer such free cells than
+    rows in the allocator's search order).
+    """
+    slot = cells.find_slot(n_tokens)
+    if slot is not None and min(slot[:n_rows]) > above:
+        return 0
+    start = cells.search_start(n_tokens)
+    free = np.flatnonzero(cells.holders == 0)
+    order = np.concatenate((free[free >= start], free[free < start]))
+    # The slot after m pads is order[m : m + n_tokens]: the first m whose n_rows cells are all past `above`.
+    if len(order) < n_tokens:
+        return None
+    good = np.concatenate(([0], np.cumsum(order > above)))
+    windows = np.flatnonzero(good[n_rows:] - good[:-n_rows] == n_rows)
+    windows = windows[windows + n_tokens <= len(order)]
+    return int(windows[0]) if len(windows) else None

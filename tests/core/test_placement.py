@@ -1,9 +1,12 @@
-"""Deterministic mode's placement policy: aligned targets and the pad that steers a batch onto them."""
+"""Deterministic mode's placement policy: aligned targets and the pads that steer a batch onto them."""
 
 from __future__ import annotations
 
 from skippy_cache.cells import CellMap
-from skippy_cache.placement import ALIGN, aligned_target, pad_needed
+from hypothesis import given
+from hypothesis import strategies as st
+
+from skippy_cache.placement import ALIGN, aligned_target, order_pad, pad_needed
 
 
 def test_aligned_target_is_after_the_prefix_and_congruent_to_the_position():
@@ -50,3 +53,57 @@ def test_pad_needed_counts_around_the_wrap():
     assert pad_needed(cells, 110, 20) == 2 + 10
     # 10 tokens: 126 > 100 + 20, the restart rule starts it at 0: only 100..109.
     assert pad_needed(cells, 110, 10) == 10
+
+
+def test_order_pad_is_zero_when_the_rows_already_land_past_the_cell():
+    cells = CellMap(256)
+    cells.decode([(0, 0, 10)])
+    assert order_pad(cells, cells.last_cell(0), n_rows=1, n_tokens=2) == 0
+
+
+def test_order_pad_fills_the_free_cells_before_the_sequence_s_last_cell():
+    cells = CellMap(256)
+    cells.decode([(0, 0, 10), (1, 0, 10)])  # seq 1 on cells 10..19
+    cells.seq_rm(0)  # head -> 0: cells 0..9 come first
+    assert order_pad(cells, cells.last_cell(1), n_rows=1, n_tokens=2) == 10
+    cells.decode([(7, 0, 10)])  # the pad
+    assert cells.find_slot(2)[0] == 20
+
+
+def test_order_pad_is_none_when_too_few_cells_lie_past_the_sequence():
+    cells = CellMap(64)
+    cells.decode([(0, 0, 62)])
+    cells.seq_rm(0, 0, 10)
+    assert order_pad(cells, cells.last_cell(0), n_rows=3, n_tokens=3) is None
+
+
+@given(
+    held=st.lists(st.booleans(), min_size=8, max_size=200),
+    above=st.integers(-1, 199),
+    n_rows=st.integers(1, 8),
+    extra=st.integers(0, 1),
+)
+def test_after_order_pad_the_rows_land_past_the_cell(held, above, n_rows, extra):
+    # Pads take the first free cells in the allocator's search order, as the batch after
+    # them does; with the head at 0 both searches start there.
+    n = len(held)
+    cells = CellMap(n)
+    cells.decode([(1, 0, n)])  # seq 1 on every cell, position == cell
+    for cell, used in enumerate(held):
+        if not used:
+            cells.seq_rm(1, cell, cell + 1)
+    cells.head = 0
+    above = min(above, n - 1)
+    n_tokens = n_rows + extra
+    pad = order_pad(cells, above, n_rows, n_tokens)
+    free_past = sum(not held[c] for c in range(above + 1, n))
+    # Searching from cell 0, every free cell up to `above` comes first: those are the pads.
+    assert (pad is None) == (free_past < n_tokens)
+    if pad is None:
+        return
+    assert pad == sum(not held[c] for c in range(above + 1))
+    if pad:
+        cells.decode([(7, 0, pad)])
+        cells.head = 0
+    slot = cells.find_slot(n_tokens)
+    assert slot is not None and min(slot[:n_rows]) > above

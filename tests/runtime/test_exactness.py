@@ -61,3 +61,22 @@ def test_partial_hits_match_cache_off_bit_for_bit(exact_engine, cold_engine):
     assert partial_hits >= 8, f"only {partial_hits} partial hits: the suite no longer tests reuse"
     assert exact_engine.stats().placement.unaligned_steps == 0
     assert not exact_engine.invariant_failures
+
+
+def test_concurrent_requests_match_cache_off_one_at_a_time_bit_for_bit(exact_engine, cold_engine):
+    # Four lanes at once: their prefill chunks take turns, their decode rows share
+    # steps, and every step's cells are steered (steering.py). Each family's first
+    # prompt runs cold beside three others, then the rest reuse it four at a time.
+    exact_engine.clear_cache()
+    prompts = _suite(exact_engine)
+    order = prompts[0::3] + [p for i, p in enumerate(prompts) if i % 3]
+    requests = [GenerationRequest(tokens=t, max_tokens=24, keep_first_logits=True) for t in order]
+    got = [done for i in range(0, len(requests), 4) for done in exact_engine.generate_many(requests[i : i + 4])]
+    for i, (request, on) in enumerate(zip(requests, got, strict=True)):
+        off = cold_engine.generate(request)
+        diff = float(np.abs(on.first_logits - off.first_logits).max())
+        assert diff == 0.0, f"request {i} ({on.stats.cached_tokens} cached): logits differ by {diff}"
+        assert on.tokens == off.tokens, f"request {i}: greedy text differs"
+    assert sum(on.stats.cached_tokens > 0 for on in got[4:]) == 8
+    assert exact_engine.stats().placement.unaligned_steps == 0
+    assert not exact_engine.invariant_failures

@@ -11,8 +11,8 @@ from skippy_cache.runtime.requests import FinishReason, GenerationRequest
 
 
 def test_deterministic_mode_output_does_not_depend_on_what_ran_before(exact_engine):
-    # Deterministic mode runs one request at a time on aligned cells: the same
-    # prompt gives the same tokens whatever the pool held before it.
+    # Deterministic mode steers every step's cells (steering.py): the same prompt
+    # gives the same tokens whatever the pool held before it and whatever runs beside it.
     exact_engine.clear_cache()
     requests = [
         GenerationRequest(tokens=make_tokens(exact_engine, 80 + 40 * i, seed=60 + i), max_tokens=24, record=False)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from skippy_cache.runtime import Engine, EngineConfig
+from skippy_cache.runtime.batching import Planned
 from skippy_cache.runtime.native import Batch
 
 
@@ -15,44 +18,51 @@ def engine():
     engine.close()
 
 
-def _decode(engine: Engine, seq: int, p0: int, n: int) -> list[int]:
-    batch = Batch(n)
-    batch.add(seq, [1] * n, p0, False)
-    assert engine.pool.decode(batch, [(seq, p0, p0 + n)]) == 0
-    return sorted(engine.pool.cells.seq_cells(seq).values())
+def _decode(engine: Engine, runs: list[tuple[int, int, int]]) -> None:
+    batch = Batch(sum(p1 - p0 for _, p0, p1 in runs))
+    for seq, p0, p1 in runs:
+        batch.add(seq, [1] * (p1 - p0), p0, False)
+    assert engine.pool.decode(batch, runs) == 0
 
 
-def test_a_chunk_is_steered_past_free_cells_by_imported_pads(engine):
-    pool, placement = engine.pool, engine.placement
-    pool.free(-1)
-    _decode(engine, 0, 0, 10)  # cells 0..9: the head now sits off the 64-cell grid
-    assert placement.steer(1, 0, 64, 64, lambda: False)
-    pad_seq = placement.pad_seq
-    # The 54 free cells before the aligned run hold pads (imported: no token decoded for them).
-    assert sorted(pool.cells.seq_cells(pad_seq).values()) == list(range(10, 64))
-    assert placement.stats.pad_tokens == 54 and placement.stats.unaligned_steps == 0
-    assert _decode(engine, 1, 0, 64) == list(range(64, 128))
-    assert pool.mismatches([0, 1, pad_seq]) == []
-    pool.cells.check_invariants()
-    placement.release(1, lanes_left=0)
-    assert pool.cells.seq_len(pad_seq) == 0 and pool.mismatches([pad_seq]) == []
+def _cells(engine: Engine, seq: int) -> list[int]:
+    held = engine.pool.cells.seq_cells(seq)
+    return [held[pos] for pos in sorted(held)]
 
 
-def test_more_pads_join_the_ones_already_imported(engine):
-    pool, placement = engine.pool, engine.placement
-    pool.free(-1)
-    _decode(engine, 0, 0, 10)
-    assert placement.steer(1, 0, 64, 64, lambda: False)
-    _decode(engine, 1, 0, 64)
-    pool.free(0)  # cells 0..9 free again, below the pads
-    _decode(engine, 0, 0, 3)  # takes cells 0..2
-    assert placement.steer(0, 3, 61, 61, lambda: False)
-    # The pad sequence now holds the old pads and the new ones: the import replaced it whole.
-    held = sorted(pool.cells.seq_cells(placement.pad_seq).values())
-    assert set(range(10, 64)) <= set(held)
-    # Position 3 lands on the first free cell congruent to 3 mod 64 with 61 free cells after it.
-    assert _decode(engine, 0, 3, 61) == [0, 1, 2, *range(131, 192)]
-    assert pool.mismatches([0, 1, placement.pad_seq]) == []
-    pool.cells.check_invariants()
-    placement.release(0, lanes_left=1)
-    placement.release(1, lanes_left=0)
+def _step(engine: Engine, seq: int, p0: int, p1: int, row: int) -> None:
+    """What the engine does around one step's decode: pad, decode (with a pad row if one row), free the pads."""
+    placement, pad_seq = engine.placement, engine.placement.pad_seq
+    n_tokens = max(p1 - p0, 2)
+    placement.before_decode([Planned(SimpleNamespace(seq_id=seq), p0, p1, row)], n_tokens, lambda: False)
+    runs = [(seq, p0, p1)]
+    if n_tokens > p1 - p0:
+        pos = engine.pool.cells.pos_max(pad_seq) + 1
+        runs.append((pad_seq, pos, pos + 1))
+    _decode(engine, runs)
+    assert engine.pool.mismatches([0, 1, pad_seq]) == []
+    engine.pool.free(pad_seq)
+
+
+def test_whole_blocks_land_on_the_grid_past_imported_pads(engine):
+    engine.pool.free(-1)
+    _decode(engine, [(0, 0, 10)])  # cells 0..9: the head now sits off the 64-cell grid
+    before = engine.placement.stats.pad_tokens
+    _step(engine, 1, 0, 64, -1)
+    # The 54 free cells before the aligned run held pads (imported: no token was decoded for them).
+    assert _cells(engine, 1) == list(range(64, 128))
+    assert engine.placement.stats.pad_tokens - before == 54
+    assert engine.placement.stats.unaligned_steps == 0
+    engine.pool.cells.check_invariants()
+
+
+def test_a_decode_row_lands_past_its_sequence_s_last_cell(engine):
+    engine.pool.free(-1)
+    _decode(engine, [(0, 0, 10), (1, 0, 10)])  # seq 0 on cells 0..9, seq 1 on 10..19
+    engine.pool.free(0)  # the allocator's head goes back to cell 0
+    _step(engine, 1, 10, 11, 0)
+    # Position 10 after its sequence's cells, though cells 0..9 were free and first in line.
+    assert _cells(engine, 1) == list(range(10, 21))
+    assert engine.placement.stats.unaligned_steps == 0
+    assert engine.pool.cells.seq_len(engine.placement.pad_seq) == 0
+    engine.pool.cells.check_invariants()

@@ -4,11 +4,10 @@ Runs against a server whose engine is in deterministic mode. In the default
 (fast) mode the engine batches different lanes' tokens into one
 `llama_decode` and uses every core, which changes the last float bits of the
 logits (EXACTNESS.md) and so may flip a greedy choice: text equality under
-concurrency is the deterministic mode's promise, not the fast mode's. (The
-deterministic engine currently admits one request at a time, so here the eight
-clients mostly wait in the queue: the test covers the server's side, eight
-interleaved SSE streams fed from one engine, plus cache hits recorded by the
-solo pass.)
+concurrency is the deterministic mode's promise, not the fast mode's. The
+deterministic engine runs four of the eight at once: the test covers eight
+interleaved SSE streams fed from one engine, lanes that share decode steps,
+and cache hits recorded by the solo pass.
 """
 
 from __future__ import annotations

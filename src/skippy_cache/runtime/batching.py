@@ -44,12 +44,13 @@ class BatchBuilder:
       matmul costs no less per token, so a larger step only makes the lanes
       ahead wait for the tokens of the lanes behind them.
 
-    Deterministic mode runs one lane at a time and its prefill chunks alone:
-    whole 64-token blocks first, in chunks as large as the batch (each row on
-    the tiled kernel, whose floats do not depend on the chunk's size when the
-    cells are aligned), then the prompt's last partial block in a chunk of its
-    own (row by row). A hit resumes on a block boundary, so every row is
-    computed by the kernel the cold run used, whatever length was reused.
+    Deterministic mode prefills whole 64-token blocks first, in chunks as large
+    as the batch, one lane's alone (each row on the tiled kernel, whose floats
+    do not depend on the chunk's size when the cells are aligned:
+    steering.py), then the prompt's last partial block in a chunk of its own,
+    beside other lanes' last partial blocks (row by row). A hit resumes on a
+    block boundary, so every row is computed by the kernel the cold run used,
+    whatever length was reused and whatever ran beside it.
     """
 
     def __init__(self, batch: Batch, grid: int, *, deterministic: bool, fill_tokens: int, pad_seq: int) -> None:
@@ -59,36 +60,28 @@ class BatchBuilder:
         self.fill_tokens = fill_tokens
         #: The spare sequence of the pad row.
         self.pad_seq = pad_seq
-        #: This step's pad row as a run (sequence, p0, p1), or None; the engine frees it after the decode.
-        self.pad: tuple[int, int, int] | None = None
+        #: This step is one row and needs a pad row (`add_pad_row`); the engine frees it after the decode.
+        self.needs_pad = False
         self._last_step_prefilled = False
 
     def fill(self, lanes: list[Lane]) -> list[Planned]:
         """The runs of this step's batch, in batch order (empty: nothing to decode)."""
         batch = self.batch
         batch.clear()
-        self.pad = None
+        self.needs_pad = False
         planned: list[Planned] = []
         decoding = [lane for lane in lanes if lane.phase in (Phase.LAST_TOKEN, Phase.DECODE)]
         prefilling = [lane for lane in lanes if lane.phase is Phase.PREFILL]
-
-        if self.deterministic and prefilling and not (decoding and self._last_step_prefilled):
-            # The last partial block gets a chunk of its own: were it in a larger
-            # chunk, a hit that resumes at its block boundary (a prompt's longest
-            # grid length) would compute it row by row where the cold run tiled it.
-            lane = prefilling[0]
-            blocks_end = lane.prefill_end - lane.prefill_end % ALIGN
-            chunk_end = blocks_end if lane.n_past < blocks_end else lane.prefill_end
-            end = next_chunk_end(lane.n_past, chunk_end, batch.capacity, self.grid, must_progress=True)
-            planned.append(self._add_chunk(lane, end))
-            self._last_step_prefilled = True
-            return self._padded(planned)
 
         last_token = any(lane.phase is Phase.LAST_TOKEN for lane in decoding)
         if prefilling and not (decoding and (self._last_step_prefilled or last_token)):
             # A prefill step holds no decode row: with 64 rows or more a decode row
             # would take the tiled kernel, and its floats would depend on what else runs.
             prefilling.sort(key=lambda lane: (lane.prefill_end - lane.n_past > self.fill_tokens, lane.t_submit))
+            if self.deterministic:
+                planned += self._deterministic_chunks(prefilling)
+                self._last_step_prefilled = True
+                return self._padded(planned)
             for lane in prefilling:
                 first = not planned
                 budget = batch.capacity - batch.n_tokens if first else self.fill_tokens - batch.n_tokens
@@ -105,11 +98,39 @@ class BatchBuilder:
         self._last_step_prefilled = False
         return self._padded(planned)
 
-    def _padded(self, planned: list[Planned]) -> list[Planned]:
-        if self.batch.n_tokens == 1:
-            self.batch.add(self.pad_seq, [0], 0, False)
-            self.pad = (self.pad_seq, 0, 1)
+    def _deterministic_chunks(self, prefilling: list[Lane]) -> list[Planned]:
+        """The first lane's whole 64-token blocks alone, or the last partial blocks of every lane
+        that has reached its own, together while they stay under 64 rows.
+
+        The last partial block gets a chunk of its own: were it in a larger
+        chunk, a hit that resumes at its block boundary (a prompt's longest grid
+        length) would compute it row by row where the cold run tiled it. Under
+        64 rows each row is computed on its own, so several lanes' partial
+        blocks may share a step; whole blocks share none, so that a step of
+        them is always tiled.
+        """
+        lane = prefilling[0]
+        if lane.n_past < self._blocks_end(lane):
+            end = next_chunk_end(lane.n_past, self._blocks_end(lane), self.batch.capacity, self.grid, must_progress=True)
+            return [self._add_chunk(lane, end)]
+        planned = []
+        for lane in prefilling:
+            if lane.n_past >= self._blocks_end(lane) and self.batch.n_tokens + lane.prefill_end - lane.n_past < ALIGN:
+                planned.append(self._add_chunk(lane, lane.prefill_end))
         return planned
+
+    @staticmethod
+    def _blocks_end(lane: Lane) -> int:
+        return lane.prefill_end - lane.prefill_end % ALIGN
+
+    def _padded(self, planned: list[Planned]) -> list[Planned]:
+        self.needs_pad = self.batch.n_tokens == 1
+        return planned
+
+    def add_pad_row(self, pos: int) -> tuple[int, int, int]:
+        """Add the pad row at `pos` (next to its sequence's other pads); returns its run."""
+        self.batch.add(self.pad_seq, [0], pos, False)
+        return (self.pad_seq, pos, pos + 1)
 
     def _add_chunk(self, lane: Lane, end: int) -> Planned:
         self.batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, False)

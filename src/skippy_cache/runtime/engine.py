@@ -141,14 +141,15 @@ class Engine:
             bytes_per_token=self.model.kv_bytes_per_token(config.type_k, config.type_v),
             idle_tokens=config.idle_tokens,
         )
-        self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue, one_at_a_time=det)
+        self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue)
         self._batch = Batch(config.n_batch)
         # The seed reserves two sequence ids per lane; the ids past the lanes
-        # are spare: a one-row step's pad row and deterministic mode's pads use the first.
+        # are spare: the first holds a step's pads (a one-row step's pad row, and
+        # deterministic mode's placement pads), freed after each decode.
         self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
                                      fill_tokens=config.fill_tokens, pad_seq=config.lanes)
         self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens)
-        self.placement = AlignedPlacement(self.pool, config.lanes + 1, parse(warm_state).layout) if det else FreePlacement()
+        self.placement = AlignedPlacement(self.pool, config.lanes, parse(warm_state).layout) if det else FreePlacement()
         self.info = EngineInfo(
             model=gguf,
             description=self.model.description,
@@ -455,23 +456,24 @@ class Engine:
         if not planned:
             return False
         self._steps += 1
-        n_tokens = self._batch.n_tokens
+        pad_seq = self._builder.pad_seq
+        n_tokens = self._batch.n_tokens + self._builder.needs_pad
         if not self.cache.make_room(n_tokens):
             self._fail_lanes([p.lane for p in planned], "the KV pool has no free cells for this step")
             return True
-        self.placement.before_decode(planned, self.cache.evict_one)
+        self.placement.before_decode(planned, n_tokens, self.cache.evict_one)
         runs = [(p.lane.seq_id, p.p0, p.p1) for p in planned]
-        pad = self._builder.pad
-        if pad is not None:
-            runs.append(pad)
+        if self._builder.needs_pad:
+            # After the placement's pads, which the pad row's sequence also holds.
+            runs.append(self._builder.add_pad_row(self.pool.cells.pos_max(pad_seq) + 1))
         t0 = time.perf_counter()
         status = self.pool.decode(self._batch, runs)
         if status == 1 and self.cache.drop_resident():
             # No slot despite the mirror's count (fragmentation or padding):
             # drop the cache rather than a request, and try once more.
             status = self.pool.decode(self._batch, runs)
-        if pad is not None and status == 0:
-            self.pool.free(pad[0])
+        if self.pool.cells.seq_len(pad_seq):
+            self.pool.free(pad_seq)
         if status != 0:
             self._decode_failures += 1
             self._fail_lanes([p.lane for p in planned], f"llama_decode failed with status {status}")
@@ -607,8 +609,6 @@ class Engine:
         finally:
             with self._cv:
                 self.scheduler.release(lane)
-                lanes_left = len(self.scheduler.lanes)
-            self.placement.release(lane.seq_id, lanes_left)
 
     def _fail_lanes(self, lanes: list[Lane], message: str) -> None:
         for lane in lanes:

@@ -51,11 +51,11 @@ class EngineConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = True
-    #: Cache-on output equals cache-off output bit for bit: one request at a
-    #: time on cells aligned with the grid, whole 64-token blocks prefilled
-    #: apart from the prompt's last partial block, and a lane's prefill chunk
-    #: never shares a `llama_decode` (EXACTNESS.md, batching.py). Costs
-    #: throughput under concurrency.
+    #: Cache-on output equals cache-off output bit for bit: whole 64-token
+    #: blocks prefilled apart from the prompt's last partial block, a prefill
+    #: chunk never shares a `llama_decode`, and every step's cells steered onto
+    #: the grid and into position order (EXACTNESS.md, batching.py,
+    #: steering.py). Costs throughput under concurrency.
     deterministic: bool = False
     max_queue: int = 64
     #: The state store's RAM tier: host RAM for exact states that left the

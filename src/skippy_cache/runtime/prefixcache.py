@@ -216,8 +216,8 @@ class PrefixCache:
     def looks_up(self, lane: Lane) -> bool:
         """The lane may share cells computed for another request: a fast-mode lookup the request allows.
 
-        Deterministic mode never does: its lanes run one at a time, each on a
-        fresh aligned run of cells.
+        Deterministic mode never does: it reuses recorded grid lengths only,
+        whose cells sit on the alignment grid.
         """
         return not self.on_grid and self.mode.looks_up and lane.request.lookup
 

@@ -4,8 +4,6 @@ Requests wait in FIFO order. The head is admitted when a lane's sequence id
 is free and the cells of its whole run (prompt plus max_tokens) fit beside the
 other lanes' reservations: a lane can then never be starved of cells
 mid-generation, because everything else in the pool is evictable cache.
-Deterministic mode runs one request at a time, so a lane's cells form one
-aligned run that no other lane's tokens interleave with.
 
 The queue is shared with submitting threads: the engine holds its lock around
 `enqueue`, `admit` and `take_cancelled`. Lanes belong to the engine thread.
@@ -38,10 +36,9 @@ class Admission:
 
 
 class Scheduler:
-    def __init__(self, lanes: int, n_ctx: int, max_queue: int, *, one_at_a_time: bool) -> None:
+    def __init__(self, lanes: int, n_ctx: int, max_queue: int) -> None:
         self.n_ctx = n_ctx
         self.max_queue = max_queue
-        self.one_at_a_time = one_at_a_time
         self.waiting: deque[Waiting] = deque()
         self.lanes: list[Lane] = []
         #: Lane sequence ids 0..lanes-1, handed out from 0 up; a freed id is reused first.
@@ -66,7 +63,7 @@ class Scheduler:
 
     def admit(self) -> Admission | None:
         """Take the head of the queue if it may start now, with a lane id and its reservation."""
-        if not self._free_ids or not self.waiting or (self.one_at_a_time and self.lanes):
+        if not self._free_ids or not self.waiting:
             return None
         request = self.waiting[0].handle.request
         reserve = len(request.tokens) + request.max_tokens

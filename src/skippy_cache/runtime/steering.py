@@ -1,17 +1,23 @@
-"""Deterministic mode's placement: each lane's cells on the 64-token alignment grid.
+"""Deterministic mode's placement: where each step's cells land in the pool.
 
-llama.cpp's CPU flash-attention kernel gives bit-identical logits only when a
-token's cell agrees with its position modulo 64 and a sequence's cells stay in
-position order (placement.py). The allocator is first-fit from a moving head,
-so before a lane's chunk is decoded, the free cells the allocator would reach
-before the lane's aligned target are filled with pad tokens of a spare
-sequence, and the pad sequence is freed once no lane runs.
-
-Pads are imported, not computed: a state of zeroed rows goes in through
+llama.cpp's CPU flash-attention kernel computes a step of 64 rows or more
+tiled over 64-cell blocks of the pool, and a smaller step row by row in cell
+order (EXACTNESS.md). So a prompt row's floats are the same in every run only
+when the cells of its sequence sit on the 64-cell grid (a token's cell agrees
+with its position modulo 64: placement.py), and any row's only when its
+sequence's cells stay in position order. llama.cpp's allocator is first-fit
+from a moving head, so before each step the free cells it would reach first
+are filled with pads of a spare sequence:
+- a prefill chunk of whole blocks (tiled) lands on an aligned run of free
+  cells past the lane's last cell;
+- every other step (decode rows of any lanes, a prompt's last partial block)
+  lands past the last cell of each lane in it.
+The pads are freed after the step's decode (engine.py). They are imported,
+not computed: a state of zeroed rows goes in through
 `llama_state_seq_set_data`, which places its cells exactly where a decode of
-as many tokens would (the first free cells from the allocator's head). No
-other sequence attends to them, so their rows never matter, and a pad of a
-thousand cells costs a copy of a few MiB instead of a thousand tokens' prefill.
+as many tokens would. No other sequence attends to them, so their rows never
+matter, and a pad of a thousand cells costs a copy of a few MiB instead of a
+thousand tokens' prefill.
 """
 
 from __future__ import annotations
@@ -19,13 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from skippy_cache.placement import aligned_target, pad_needed
+from skippy_cache.placement import ALIGN, aligned_target, order_pad, pad_needed
 from skippy_cache.runtime.batching import Planned
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.stateformat import Layout, join
 
 #: Pad attempts per step: each import of pads may move the allocator's head,
-#: so the pad count is recomputed a few times before giving up on alignment.
+#: so the pad count is recomputed a few times before giving up on placement.
 _PAD_ROUNDS = 4
 
 
@@ -33,7 +39,7 @@ _PAD_ROUNDS = 4
 class PlacementStats:
     #: Pad cells imported to steer placement.
     pad_tokens: int = 0
-    #: Steps that could not be placed on the alignment grid (not bit-exact).
+    #: Steps that could not be placed as exactness needs (not bit-exact).
     unaligned_steps: int = 0
 
 
@@ -43,62 +49,46 @@ class FreePlacement:
     def __init__(self) -> None:
         self.stats = PlacementStats()
 
-    def before_decode(self, planned: list[Planned], evict_one: Callable[[], bool]) -> None:
-        pass
-
-    def release(self, seq_id: int, lanes_left: int) -> None:
+    def before_decode(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> None:
         pass
 
 
 class AlignedPlacement:
-    """Deterministic mode: one lane at a time, its cells on the grid."""
+    """Deterministic mode: prompt blocks on the grid, every lane's cells in position order."""
 
     def __init__(self, pool: CellPool, pad_seq: int, layout: Layout) -> None:
         self.pool = pool
         self.pad_seq = pad_seq
         self.layout = layout
-        #: The cell of position 0 for each lane (position p sits at base + p).
-        self._bases: dict[int, int] = {}
         self.stats = PlacementStats()
 
-    def before_decode(self, planned: list[Planned], evict_one: Callable[[], bool]) -> None:
-        """Steer the step's one run (deterministic mode decodes one lane per step)."""
-        (item,) = planned
-        lane = item.lane
-        self.steer(lane.seq_id, item.p0, item.p1 - item.p0, lane.reserve - item.p0, evict_one)
+    def before_decode(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> None:
+        """Pad so that the step's `n_tokens` (its runs, then any pad row) land where they must."""
+        if not self._steer(planned, n_tokens, evict_one):
+            self.stats.unaligned_steps += 1
 
-    def steer(self, seq_id: int, p0: int, n_tokens: int, remaining: int, evict_one: Callable[[], bool]) -> bool:
-        """Make the lane's next `n_tokens` (from position `p0`) land on cells aligned with their positions.
-
-        The lane's own cells form one run whose first cell is congruent to its
-        first position mod 64 and lies after the cells it copied from the
-        cache; `remaining` cells are kept free for the rest of its run, evicting
-        cache entries (`evict_one`) when no such run exists. False when none
-        exists even with the cache empty: the step still runs, but is not
-        bit-exact (counted in `unaligned_steps`).
-        """
+    def _steer(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> bool:
         cells = self.pool.cells
-        base = self._bases.get(seq_id)
-        if base is None:
-            while (target := aligned_target(cells, cells.last_cell(seq_id), p0, remaining)) is None:
+        first = planned[0]
+        if len(planned) == 1 and first.row < 0 and first.p1 - first.p0 >= ALIGN:
+            # Whole blocks (batching.py): an aligned run past the lane's last cell.
+            seq, p0 = first.lane.seq_id, first.p0
+            while (target := aligned_target(cells, cells.last_cell(seq), p0, n_tokens)) is None:
                 if not evict_one():
-                    self.stats.unaligned_steps += 1
                     return False
-            base = self._bases[seq_id] = target - p0
+            return self._pad_until(lambda: pad_needed(cells, target, n_tokens))
+        rows = sum(p.p1 - p.p0 for p in planned)
+        above = max(cells.last_cell(p.lane.seq_id) for p in planned)
+        return self._pad_until(lambda: order_pad(cells, above, rows, n_tokens))
+
+    def _pad_until(self, needed: Callable[[], int | None]) -> bool:
         for _ in range(_PAD_ROUNDS):
-            pad = pad_needed(cells, base + p0, n_tokens)
+            pad = needed()
             if pad == 0:
                 return True
-            if not self._import_pad(pad):
-                break
-        self.stats.unaligned_steps += 1
+            if pad is None or not self._import_pad(pad):
+                return False
         return False
-
-    def release(self, seq_id: int, lanes_left: int) -> None:
-        """A lane finished; with no lane left, the pad cells are freed too."""
-        self._bases.pop(seq_id, None)
-        if lanes_left == 0:
-            self.pool.free(self.pad_seq)
 
     def _import_pad(self, count: int) -> bool:
         """`count` more pad cells; the import clears the pad sequence first, so its old cells come back too."""

@@ -265,8 +265,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
            "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
     Option("deterministic", "--deterministic", "SKIPPY_DETERMINISTIC", "deterministic", _bool,
-           "bit-exact mode: output does not depend on other traffic or on cache hits (requests "
-           "run one at a time: slower under load; default off)", is_bool=True),
+           "bit-exact mode: output does not depend on other traffic or on cache hits (a "
+           "prefill chunk runs alone and hits are on the 64-token grid: slower under load; default off)", is_bool=True),
     Option("default_max_tokens", "--default-max-tokens", "SKIPPY_DEFAULT_MAX_TOKENS", "default_max_tokens",
            _int(1), f"max_tokens of a chat request that sets none (default {DEFAULT_CHAT_MAX_TOKENS}, "
            "or what is left of the context if less)", "N"),
