@@ -111,7 +111,7 @@ class BatchBuilder:
         """
         lane = prefilling[0]
         if lane.n_past < self._blocks_end(lane):
-            end = next_chunk_end(lane.n_past, self._blocks_end(lane), self.batch.capacity, self.grid, must_progress=True)
+            end = next_chunk_end(lane.n_past, self._blocks_end(lane), self.batch.capacity, ALIGN, must_progress=True)
             return [self._add_chunk(lane, end)]
         planned = []
         for lane in prefilling:

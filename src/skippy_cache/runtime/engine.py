@@ -77,8 +77,8 @@ from skippy_cache.runtime.requests import (
 )
 from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement
-from skippy_cache.stateformat import parse
 from skippy_cache.runtime.textstream import TextStream
+from skippy_cache.stateformat import parse
 from skippy_cache.tiers import CacheTiers
 
 log = logging.getLogger("skippy_cache.engine")

@@ -158,9 +158,8 @@ class PrefixCache:
             # reusable, and only those on a 64-token block boundary: a hit resumes
             # with a tiled chunk where the cold run started one (batching.py).
             lengths = self.policy.candidate_token_counts(lane.prefill_end)
-            lengths += self.policy.record_candidate_token_counts(lane.prefill_end)
-            step = math.lcm(self.policy.grid_tokens, ALIGN)
-            on_grid = {n for n in lengths if n % step == 0}
+            lengths += self.policy.record_candidate_token_counts(self._grid_end(lane))
+            on_grid = {n for n in lengths if n % self._grid_step == 0}
             lane.identities = prefix_identities(lane.space, request.tokens[: lane.prefill_end], on_grid)
         elif len(request.tokens) >= max(self.tiers.min_tokens, 1):
             lane.prompt_identity = self._whole_identity(request)
@@ -212,6 +211,16 @@ class PrefixCache:
             hit = self._explain_miss(hit, lane)
         miss = None if hit.why in (Why.EXACT_REPEAT, Why.ALL_BUT_LAST) else hit.why.value
         return Explanation(hit.source.value, hit.length, len(request.tokens), miss, lane.evicted_ago)
+
+    @property
+    def _grid_step(self) -> int:
+        """Deterministic mode's hit lengths: multiples of the record grid and of the 64-token block."""
+        return math.lcm(self.policy.grid_tokens, ALIGN)
+
+    def _grid_end(self, lane: Lane) -> int:
+        """The lane's longest reusable length. Deterministic mode records from it, not from the whole
+        prompt: a whole prompt off the grid would take a record slot and never be recorded."""
+        return lane.prefill_end - lane.prefill_end % self._grid_step
 
     def looks_up(self, lane: Lane) -> bool:
         """The lane may share cells computed for another request: a fast-mode lookup the request allows.
@@ -296,7 +305,7 @@ class PrefixCache:
         if not (self.mode.records and lane.request.record) or hit.whole:
             return
         if self.on_grid:
-            lengths = self.policy.record_candidate_token_counts(lane.prefill_end)
+            lengths = self.policy.record_candidate_token_counts(self._grid_end(lane))
             lane.record_lengths = [n for n in lengths if n in lane.identities]
         else:
             lane.whole_prompt = lane.prompt_identity
