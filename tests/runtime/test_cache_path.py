@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from prompts import make_tokens
 
-from skippy_cache.runtime import Engine, EngineConfig
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest, RequestError
 
 
@@ -52,20 +51,6 @@ def test_deterministic_hit_reuses_exactly_the_policy_grid_length(exact_engine):
     exact_engine.generate(GenerationRequest(tokens=first, max_tokens=1))
     done = exact_engine.generate(GenerationRequest(tokens=second, max_tokens=1))
     assert done.stats.cached_tokens == expected
-
-
-def test_deterministic_mode_records_its_two_longest_grid_lengths():
-    # The seed's record limit (2) counts from the prompt's longest grid length:
-    # the whole prompt is off the grid and cannot be recorded in this mode.
-    engine = Engine(EngineConfig(ctx_size=2048, lanes=2, deterministic=True))
-    try:
-        first = make_tokens(engine, 300, seed=9)  # records 256 and 192
-        second = first[:220] + make_tokens(engine, 60, seed=10)  # shares 192 of them, not 256
-        engine.generate(GenerationRequest(tokens=first, max_tokens=1))
-        done = engine.generate(GenerationRequest(tokens=second, max_tokens=1))
-        assert done.stats.cached_tokens == 192
-    finally:
-        engine.close()
 
 
 def test_namespaces_never_share_state(fast_engine):

@@ -158,7 +158,7 @@ class PrefixCache:
             # reusable, and only those on a 64-token block boundary: a hit resumes
             # with a tiled chunk where the cold run started one (batching.py).
             lengths = self.policy.candidate_token_counts(lane.prefill_end)
-            lengths += self.policy.record_candidate_token_counts(self._grid_end(lane))
+            lengths += self.policy.record_candidate_token_counts(lane.prefill_end)
             on_grid = {n for n in lengths if n % self._grid_step == 0}
             lane.identities = prefix_identities(lane.space, request.tokens[: lane.prefill_end], on_grid)
         elif len(request.tokens) >= max(self.tiers.min_tokens, 1):
@@ -216,11 +216,6 @@ class PrefixCache:
     def _grid_step(self) -> int:
         """Deterministic mode's hit lengths: multiples of the record grid and of the 64-token block."""
         return math.lcm(self.policy.grid_tokens, ALIGN)
-
-    def _grid_end(self, lane: Lane) -> int:
-        """The lane's longest reusable length. Deterministic mode records from it, not from the whole
-        prompt: a whole prompt off the grid would take a record slot and never be recorded."""
-        return lane.prefill_end - lane.prefill_end % self._grid_step
 
     def looks_up(self, lane: Lane) -> bool:
         """The lane may share cells computed for another request: a fast-mode lookup the request allows.
@@ -305,7 +300,7 @@ class PrefixCache:
         if not (self.mode.records and lane.request.record) or hit.whole:
             return
         if self.on_grid:
-            lengths = self.policy.record_candidate_token_counts(self._grid_end(lane))
+            lengths = self.policy.record_candidate_token_counts(lane.prefill_end)
             lane.record_lengths = [n for n in lengths if n in lane.identities]
         else:
             lane.whole_prompt = lane.prompt_identity
