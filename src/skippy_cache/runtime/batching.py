@@ -110,8 +110,9 @@ class BatchBuilder:
         them is always tiled.
         """
         lane = prefilling[0]
-        if lane.n_past < self._blocks_end(lane):
-            end = next_chunk_end(lane.n_past, self._blocks_end(lane), self.batch.capacity, ALIGN, must_progress=True)
+        blocks_end = self._blocks_end(lane)
+        if lane.n_past < blocks_end:
+            end = next_chunk_end(lane.n_past, blocks_end, self.batch.capacity, ALIGN, must_progress=True)
             return [self._add_chunk(lane, end)]
         planned = []
         for lane in prefilling:

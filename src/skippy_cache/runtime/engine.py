@@ -149,7 +149,8 @@ class Engine:
         self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
                                      fill_tokens=config.fill_tokens, pad_seq=config.lanes)
         self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens)
-        self.placement = AlignedPlacement(self.pool, config.lanes, parse(warm_state).layout) if det else FreePlacement()
+        self.placement = (AlignedPlacement(self.pool, self._builder.pad_seq, parse(warm_state).layout) if det
+                          else FreePlacement())
         self.info = EngineInfo(
             model=gguf,
             description=self.model.description,
