@@ -127,24 +127,54 @@ class PrefixIndex:
         runtime prefers resident entries, which cost a `seq_cp` rather than a
         restore); otherwise the shortest, which frees the fewest cells on a trim.
         """
+        walk = self._walk(space, tokens)
+        if walk is None or walk[1] < max(min_length, 1):
+            return None
+        node, depth, _ = walk
+        return PrefixMatch(depth, _pick(node, prefer))
+
+    def matches(self, space: Hashable, tokens: Sequence[int], min_length: int = 1) -> list[PrefixMatch]:
+        """Entries sharing at least `min_length` leading tokens with `tokens`, each with how many.
+
+        Those that share the most (every page at or below where the walk
+        stops), and those whose tokens are a prefix of `tokens` (pages on the
+        way there); entries that branched off earlier are left out. For a
+        caller that reuses less than the shared length of some entries
+        (deterministic mode, exact.py) and must choose among them.
+        """
+        walk = self._walk(space, tokens)
+        if walk is None:
+            return []
+        node, depth, path = walk
+        found = [PrefixMatch(d, page) for n, d in path for page in n.pages if d >= max(min_length, 1)]
+        if depth >= max(min_length, 1):
+            stack = [node]
+            while stack:
+                n = stack.pop()
+                found.extend(PrefixMatch(depth, page) for page in n.pages)
+                stack.extend(n.children.values())
+        return found
+
+    def _walk(self, space: Hashable, tokens: Sequence[int]) -> tuple[_Node, int, list[tuple[_Node, int]]] | None:
+        """Follow `tokens` down the space's tree: the node whose subtree shares the most leading
+        tokens, how many, and the nodes passed on the way there (with their depth), which
+        `tokens` cover whole. None when the space holds nothing."""
         node = self._roots.get(space)
         if node is None:
             return None
         depth = 0
-        i = 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
+        path: list[tuple[_Node, int]] = []
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
             if child is None:
                 break
-            shared = _shared_length(child.edge, tokens[i:])
-            depth += shared
-            i += shared
-            node = child
+            shared = _shared_length(child.edge, tokens[depth:])
+            path.append((node, depth))
             if shared < len(child.edge):
-                break
-        if depth < max(min_length, 1):
-            return None
-        return PrefixMatch(depth, _pick(node, prefer))
+                return child, depth + shared, path
+            node = child
+            depth += shared
+        return node, depth, path
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the tree contradicts itself (tests and debug)."""

@@ -7,20 +7,21 @@ Tiers, fastest first:
   token rows and kept in RAM and on disk (the runtime's `StateStore`, behind the
   `StateTier` interface); reusing one is a restore of the chunks it needs.
 
-Fast mode files the tokens of every entry in the token radix index
-(`PrefixIndex`), so a hit may be any leading part of any entry held by this
-process. The store is also probed by name: chunk i of a prompt is named by the
-prefix identity at its end, so chunks written before a restart (or by another
-process) are found from the prompt alone. Deterministic mode has no index and
-no store: it looks up the seed's grid lengths, resident only, because a lane's
-own cells must start a fresh run aligned with the 64-token grid.
+The tokens of every entry are filed in the token radix index (`PrefixIndex`),
+so a hit may be any leading part of any entry held by this process. The store
+is also probed by name: chunk i of a prompt is named by the prefix identity at
+its end, so chunks written before a restart (or by another process) are found
+from the prompt alone. Deterministic mode has no store, and reuses of an entry
+only the rows its prompt's cold run would compute with the same kernel
+(exact.py): each entry is filed with the tiled end of the prompt that computed it.
 
 `plan` is pure: it reads the books and touches nothing (no recency, no
 counters), so the same call answers "what would this request reuse?" without
 running it. The runtime then applies the hit and counts it once.
 
 Invariants, checked by `check_invariants`:
-- with an index, a page is indexed iff it is resident or in the store;
+- a page is indexed iff it is resident or in the store;
+- a page has a tiled end iff it is indexed and was filed with one;
 - first-token logits are kept here only for resident pages (the store keeps
   its own copy);
 - each tier's own invariants.
@@ -36,6 +37,7 @@ from typing import Protocol
 import numpy as np
 
 from skippy_cache.chunkstore import ChunkStoreStats
+from skippy_cache.exact import exact_length
 from skippy_cache.identity import PageId, PrefixIdentity
 from skippy_cache.radix import PrefixIndex
 from skippy_cache.resident import ResidentCacheStats, ResidentPrefixCache
@@ -61,7 +63,8 @@ class Why(str, enum.Enum):
     ALL_BUT_LAST = "all_but_last"
     #: A stored prompt shares only the first `length` tokens.
     DIVERGED = "diverged"
-    #: Deterministic mode reuses grid lengths only.
+    #: Deterministic mode: the entry's next rows were computed by another kernel than this
+    #: prompt's cold run would use (exact.py), or the prompt could not resume there as it did cold.
     GRID = "grid"
     #: Nothing cached shares `min_tokens` leading tokens with the prompt.
     NEVER_SEEN = "never_seen"
@@ -112,8 +115,8 @@ class Query:
     tokens: Sequence[int]
     #: The whole-prompt identity (fast mode), None when the prompt is too short to record.
     whole: PrefixIdentity | None = None
-    #: Deterministic mode: the grid lengths to look up, longest first; None in fast mode.
-    grid: tuple[PrefixIdentity, ...] | None = None
+    #: Deterministic mode: the prompt's tiled end (exact.py); None in fast mode.
+    tiled_end: int | None = None
     #: Fast mode with a store: the identities at every multiple of its chunk size, shortest first.
     chunks: tuple[PrefixIdentity, ...] = ()
     #: Set when the request may not look up at all, with the reason.
@@ -215,15 +218,15 @@ class CacheStats:
 class CacheTiers:
     """The resident books, the state store, the index and the logits of resident whole-prompt entries."""
 
-    def __init__(
-        self, resident: ResidentPrefixCache, store: StateTier | None = None, index: PrefixIndex | None = None
-    ) -> None:
+    def __init__(self, resident: ResidentPrefixCache, store: StateTier | None = None) -> None:
         self.resident = resident
         self.store = store
-        #: Fast mode only: the tokens of every entry in any tier.
-        self.index = index
+        #: The tokens of every entry in any tier.
+        self.index = PrefixIndex()
         #: First-token logits of resident whole-prompt entries.
         self.logits: dict[PageId, np.ndarray] = {}
+        #: Deterministic mode: each indexed entry's tiled end (exact.py).
+        self.tiled_ends: dict[PageId, int] = {}
 
     @property
     def min_tokens(self) -> int:
@@ -237,32 +240,47 @@ class CacheTiers:
         """
         if query.refused is not None:
             return Hit.miss(query.refused)
-        if query.grid is not None:
-            for prefix in query.grid:
-                if prefix.page_id in self.resident:
-                    return Hit(Source.RESIDENT, prefix.page_id, prefix.token_count, Why.GRID)
-            return Hit.miss(Why.NEVER_SEEN)
         if query.whole is not None:
             hit = self._whole(query, query.whole)
             if hit is not None:
                 return hit
+        if query.tiled_end is not None:
+            return self._exact(query, query.tiled_end)
         best = Hit.miss(Why.NEVER_SEEN)
-        if self.index is not None:
-            # Any leading part of an entry is exact state for those tokens (attention is causal).
-            match = self.index.longest(query.space, query.tokens, prefer=self.resident, min_length=self.min_tokens)
-            if match is not None:
-                length, source = match.length, Source.RESIDENT
-                if match.page_id not in self.resident:
-                    assert self.store is not None, f"page {match.page_id} indexed but held nowhere"
-                    available, source = self.store.available(match.page_id)
-                    length = min(length, available)
-                if length >= self.min_tokens:
-                    best = Hit(source, match.page_id, length, reuse_why(length, len(query.tokens)))
+        # Any leading part of an entry is exact state for those tokens (attention is causal).
+        match = self.index.longest(query.space, query.tokens, prefer=self.resident, min_length=self.min_tokens)
+        if match is not None:
+            length, source = match.length, Source.RESIDENT
+            if match.page_id not in self.resident:
+                assert self.store is not None, f"page {match.page_id} indexed but held nowhere"
+                available, source = self.store.available(match.page_id)
+                length = min(length, available)
+            if length >= self.min_tokens:
+                best = Hit(source, match.page_id, length, reuse_why(length, len(query.tokens)))
         if self.store is not None and query.chunks:
             length, source, _ = self.store.probe(query.chunks, None)
             if length > best.length and length >= self.min_tokens:
                 best = Hit(source, None, length, reuse_why(length, len(query.tokens)))
         return best
+
+    def _exact(self, query: Query, tiled_end: int) -> Hit:
+        """Deterministic mode: the resident entry whose leading rows serve the prompt exactly for the
+        most tokens (exact.py); the shortest entry among equals, which frees the fewest cells."""
+        best: tuple[int, int, PageId] | None = None
+        shared = 0
+        for match in self.index.matches(query.space, query.tokens, min_length=self.min_tokens):
+            entry = self.resident.peek(match.page_id)
+            if entry is None:
+                continue
+            shared = max(shared, match.length)
+            length = exact_length(match.length, self.tiled_ends[match.page_id], tiled_end)
+            key = (-length, entry.token_count, match.page_id)
+            best = key if best is None else min(best, key)
+        if best is None or -best[0] < max(self.min_tokens, 1):
+            return Hit.miss(Why.NEVER_SEEN if shared == 0 else Why.GRID)
+        length = -best[0]
+        why = reuse_why(length, len(query.tokens)) if length == shared else Why.GRID
+        return Hit(Source.RESIDENT, best[2], length, why)
 
     def _whole(self, query: Query, prompt: PrefixIdentity) -> Hit | None:
         page, n = prompt.page_id, prompt.token_count
@@ -292,17 +310,20 @@ class CacheTiers:
     def held(self, page_id: PageId) -> bool:
         return page_id in self.resident or (self.store is not None and page_id in self.store)
 
-    def file(self, page_id: PageId, space: Hashable, tokens: Sequence[int]) -> None:
-        """Index an entry's tokens (fast mode), once."""
-        if self.index is not None and page_id not in self.index:
+    def file(self, page_id: PageId, space: Hashable, tokens: Sequence[int], tiled_end: int | None = None) -> None:
+        """Index an entry's tokens once, with the tiled end of the prompt that computed it (deterministic mode)."""
+        if page_id not in self.index:
             self.index.insert(space, tokens, page_id)
+            if tiled_end is not None:
+                self.tiled_ends[page_id] = tiled_end
 
     def forget_if_gone(self, page_id: PageId) -> None:
         """A page that left a tier stays indexed only while another tier still holds it."""
         if page_id not in self.resident:
             self.logits.pop(page_id, None)
-            if self.index is not None and not self.held(page_id):
+            if not self.held(page_id):
                 self.index.remove(page_id)
+                self.tiled_ends.pop(page_id, None)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the tiers contradict each other (tests and debug)."""
@@ -311,16 +332,17 @@ class CacheTiers:
             self.store.check_invariants()
         stray = [page for page in self.logits if page not in self.resident]
         assert not stray, f"logits kept for pages that are not resident: {stray}"
-        if self.index is not None:
-            self.index.check_invariants()
-            held = {e.page_id for e in self.resident.entries()}
-            if self.store is not None:
-                held.update(self.store.pages())
-            indexed = {page for page in held if page in self.index}
-            assert indexed == held, f"pages held but not indexed: {sorted(held - indexed)}"
-            assert len(self.index) == len(held), (
-                f"{len(self.index)} pages indexed, {len(held)} held: an evicted page stayed in the index"
-            )
+        self.index.check_invariants()
+        held = {e.page_id for e in self.resident.entries()}
+        if self.store is not None:
+            held.update(self.store.pages())
+        indexed = {page for page in held if page in self.index}
+        assert indexed == held, f"pages held but not indexed: {sorted(held - indexed)}"
+        assert len(self.index) == len(held), (
+            f"{len(self.index)} pages indexed, {len(held)} held: an evicted page stayed in the index"
+        )
+        unindexed = [page for page in self.tiled_ends if page not in self.index]
+        assert not unindexed, f"tiled ends kept for pages that are not indexed: {unindexed}"
 
 
 def reuse_why(length: int, reusable: int) -> Why:

@@ -109,6 +109,16 @@ def test_entry_is_a_strict_prefix_of_the_query() -> None:
     assert index.longest("s", [1, 2, 3, 4, 9]) == M(4, "long")
 
 
+def test_matches_are_the_longest_sharers_and_the_entries_on_the_way() -> None:
+    index = make_index(("short", [1, 2]), ("mid", [1, 2, 3, 4]), ("a", [1, 2, 3, 4, 5, 6]),
+                       ("b", [1, 2, 3, 4, 5, 7, 7]), ("off", [1, 2, 8]))
+    found = {(m.length, str(m.page_id)) for m in index.matches("s", [1, 2, 3, 4, 5, 9])}
+    # "off" branched off before the deepest shared node and is not a prefix of the query.
+    assert found == {(2, "short"), (4, "mid"), (5, "a"), (5, "b")}
+    assert {str(m.page_id) for m in index.matches("s", [1, 2, 3, 4, 5, 9], min_length=3)} == {"mid", "a", "b"}
+    assert index.matches("other", [1, 2]) == []
+
+
 def test_empty_query_and_empty_index() -> None:
     assert PrefixIndex().longest("s", [1, 2, 3]) is None
     index = make_index(("a", [1, 2, 3]))
@@ -432,6 +442,13 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         lengths = {page: shared(tokens, query) for page, (s, tokens) in self.model.items() if s == space}
         best = max(lengths.values(), default=0)
         match = self.index.longest(space, query, prefer={P(p) for p in prefer}, min_length=min_length)
+        # `matches`: the entries that share the most, and the entries that are a prefix of the query.
+        expected = {
+            (n, page) for page, n in lengths.items()
+            if n >= max(min_length, 1) and (n == best or n == len(self.model[page][1]))
+        }
+        found = [(m.length, str(m.page_id)) for m in self.index.matches(space, query, min_length=min_length)]
+        assert sorted(found) == sorted(expected)
         if best < max(min_length, 1):
             assert match is None, f"expected no match (best {best}), got {match}"
             return

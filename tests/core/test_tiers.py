@@ -7,7 +7,7 @@ import pytest
 
 from skippy_cache.config import ResidentCacheConfig
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identity
-from skippy_cache.radix import PrefixIndex
+from skippy_cache.exact import tiled_end
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.tiers import CacheTiers, Hit, Query, Source, Why
 
@@ -62,11 +62,11 @@ class FakeStore:
         pass
 
 
-def tiers(*, store: bool = True, index: bool = True) -> CacheTiers:
+def tiers(*, store: bool = True) -> CacheTiers:
     resident = ResidentPrefixCache(
         ResidentCacheConfig(max_entries=8, max_bytes=0, min_tokens=MIN, reserved_seq_count=8, max_resident_tokens=0)
     )
-    return CacheTiers(resident, FakeStore() if store else None, PrefixIndex() if index else None)
+    return CacheTiers(resident, FakeStore() if store else None)
 
 
 def chunk_ids(tokens: list[int], every: int = 8) -> tuple[PrefixIdentity, ...]:
@@ -77,13 +77,16 @@ def whole_id(tokens: list[int]):
     return prefix_identity(KEY.with_namespace("whole"), tokens)
 
 
-def make_resident(t: CacheTiers, tokens: list[int], *, logits: np.ndarray | None = None) -> PageId:
-    """Book a resident whole-prompt entry, as the runtime does after a record."""
+def make_resident(
+    t: CacheTiers, tokens: list[int], *, logits: np.ndarray | None = None, prompt_tokens: int | None = None
+) -> PageId:
+    """Book a resident whole-prompt entry, as the runtime does after a record; with `prompt_tokens`, a
+    deterministic-mode entry whose first `prompt_tokens` tokens were its prompt (the rest its reply)."""
     ident = whole_id(tokens)
     allocation = t.resident.allocate_for_record(ident.page_id, len(tokens), len(tokens), lambda _e: None)
     t.resident.commit_record(ident.page_id, allocation.seq_id, len(tokens), len(tokens))
     t.logits[ident.page_id] = logits if logits is not None else np.arange(4, dtype=np.float32)
-    t.file(ident.page_id, SPACE, tokens)
+    t.file(ident.page_id, SPACE, tokens, None if prompt_tokens is None else tiled_end(prompt_tokens - 1))
     return ident.page_id
 
 
@@ -213,16 +216,57 @@ def test_less_than_min_tokens_shared_is_never_seen() -> None:
     assert t.plan(Query(KEY.with_namespace("tenant-b"), A[:-1], whole=None)) == Hit.miss(Why.NEVER_SEEN)
 
 
-def test_grid_mode_takes_the_longest_resident_grid_length() -> None:
-    t = tiers(store=False, index=False)
-    ids = {n: prefix_identity(SPACE, A[:n]) for n in (32, 16, 8)}
-    for n in (16, 8):
-        allocation = t.resident.allocate_for_record(ids[n].page_id, n, n, lambda _e: None)
-        t.resident.commit_record(ids[n].page_id, allocation.seq_id, n, n)
-    grid = tuple(ids[n] for n in (32, 16, 8))
-    hit = t.plan(Query(SPACE, A[:-1], grid=grid))
-    assert (hit.source, hit.page_id, hit.length, hit.why) == (Source.RESIDENT, ids[16].page_id, 16, Why.GRID)
-    assert t.plan(Query(SPACE, A[:-1], grid=grid[:1])) == Hit.miss(Why.NEVER_SEEN)
+def exact_query(prompt: list[int]) -> Query:
+    return Query(SPACE, prompt[:-1], whole=whole_id(prompt), tiled_end=tiled_end(len(prompt) - 1))
+
+
+SYSTEM = list(range(1000, 1600))  # a 600-token system prompt: 9 whole blocks and 24 tokens
+
+
+def test_deterministic_mode_reuses_past_the_tiled_end_when_both_prompts_tile_alike() -> None:
+    t = tiers(store=False)
+    page = make_resident(t, SYSTEM + [1] * 20, prompt_tokens=620)  # tiled end 576
+    hit = t.plan(exact_query(SYSTEM + [2] * 30))  # tiled end 576 too
+    assert (hit.source, hit.page_id, hit.length, hit.why) == (Source.RESIDENT, page, 600, Why.DIVERGED)
+
+
+def test_deterministic_mode_stops_at_the_lower_tiled_end() -> None:
+    t = tiers(store=False)
+    page = make_resident(t, SYSTEM + [1] * 100, prompt_tokens=700)  # tiled end 640
+    hit = t.plan(exact_query(SYSTEM + [2] * 30))  # tiled end 576
+    assert (hit.page_id, hit.length, hit.why) == (page, 576, Why.GRID)
+    # Fast mode (no tiled end in the query) takes all 600.
+    assert t.plan(query(SYSTEM + [2] * 30)).length == 600
+
+
+def test_deterministic_mode_picks_the_entry_that_serves_the_most_exactly() -> None:
+    t = tiers(store=False)
+    make_resident(t, SYSTEM + [1] * 100, prompt_tokens=700)  # shares 600, serves 576
+    alike = make_resident(t, SYSTEM[:590], prompt_tokens=590)  # a prefix of the prompt, tiled end 576: serves 590
+    hit = t.plan(exact_query(SYSTEM + [2] * 30))
+    assert (hit.page_id, hit.length) == (alike, 590)
+
+
+def test_deterministic_mode_reuses_a_reply_computed_row_by_row_past_the_same_tiled_end() -> None:
+    t = tiers(store=False)
+    # A 620-token prompt and a 10-token reply, recorded together when the request ended.
+    turn = SYSTEM + [1] * 20 + [4] * 10
+    page = make_resident(t, turn, prompt_tokens=620)
+    hit = t.plan(exact_query(turn + [5] * 5))  # 635 tokens: tiled end 576 too
+    assert (hit.page_id, hit.length, hit.why) == (page, 630, Why.DIVERGED)
+    hit = t.plan(exact_query(turn + [5] * 50))  # tiled end 640: the reply's rows were not tiled
+    assert (hit.page_id, hit.length, hit.why) == (page, 576, Why.GRID)
+
+
+def test_deterministic_mode_exact_repeat_and_misses() -> None:
+    t = tiers(store=False)
+    prompt = SYSTEM + [1] * 20
+    page = make_resident(t, prompt, prompt_tokens=620)
+    hit = t.plan(exact_query(prompt))
+    assert (hit.page_id, hit.length, hit.why) == (page, 620, Why.EXACT_REPEAT)
+    # Sharing 40 tokens with an entry that tiled them serves nothing: the prompt would resume mid-block.
+    assert t.plan(exact_query(SYSTEM[:40] + [9] * 200)) == Hit.miss(Why.GRID)
+    assert t.plan(exact_query([9] * 200)) == Hit.miss(Why.NEVER_SEEN)
 
 
 def test_plan_changes_nothing() -> None:

@@ -38,19 +38,19 @@ def test_a_follow_up_reuses_the_reply_the_lane_generated(fast_engine):
     assert fast_engine.invariant_failures == []
 
 
-def test_deterministic_hit_reuses_exactly_the_policy_grid_length(exact_engine):
+def test_deterministic_hit_reuses_only_rows_its_cold_run_computes_alike(exact_engine):
+    # The first prompt tiles rows 0..255 and computes 256..298 row by row (exact.py).
     exact_engine.clear_cache()
-    policy = exact_engine.info.policy
     first = make_tokens(exact_engine, 300, seed=7)
-    second = first[:280] + make_tokens(exact_engine, 50, seed=8)
-    lookups = policy.candidate_token_counts(len(second) - 1)
-    recorded = set(policy.record_candidate_token_counts(len(first) - 1))
-    # The longest grid length the second prompt looks up that the first recorded.
-    expected = next(n for n in lookups if n in recorded and n % policy.grid_tokens == 0)
-    assert expected == 256
     exact_engine.generate(GenerationRequest(tokens=first, max_tokens=1))
-    done = exact_engine.generate(GenerationRequest(tokens=second, max_tokens=1))
-    assert done.stats.cached_tokens == expected
+    # 330 tokens tile rows 0..319: of the 280 shared, only the rows both tiled.
+    longer = exact_engine.generate(GenerationRequest(tokens=first[:280] + make_tokens(exact_engine, 50, seed=8),
+                                                     max_tokens=1))
+    assert (longer.stats.cached_tokens, longer.stats.miss_reason) == (256, "grid")
+    # 295 tokens tile rows 0..255 too: all 290 shared, off the block grid.
+    alike = exact_engine.generate(GenerationRequest(tokens=first[:290] + make_tokens(exact_engine, 5, seed=9),
+                                                    max_tokens=1))
+    assert (alike.stats.cached_tokens, alike.stats.miss_reason) == (290, "diverged")
 
 
 def test_namespaces_never_share_state(fast_engine):

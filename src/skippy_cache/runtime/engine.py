@@ -41,7 +41,6 @@ import numpy as np
 from skippy_cache.config import PrefixCandidatePolicy, ResidentCacheConfig, StageConfig
 from skippy_cache.family import resolve_mode
 from skippy_cache.identity import IdentityKey
-from skippy_cache.radix import PrefixIndex
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.runtime.batching import BatchBuilder, Planned
 from skippy_cache.runtime.gguf_info import default_model_path, read_gguf_info
@@ -129,7 +128,7 @@ class Engine:
         if store_note:
             log.warning("%s", store_note)
         resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100)
-        tiers = CacheTiers(resident, store, None if det else PrefixIndex())
+        tiers = CacheTiers(resident, store)
         identity_key = IdentityKey.from_stage(stage, model_digest=gguf.digest, runtime_abi=runtime_abi())
         self.cache = PrefixCache(
             self.pool,
@@ -140,6 +139,7 @@ class Engine:
             mode,
             bytes_per_token=self.model.kv_bytes_per_token(config.type_k, config.type_v),
             idle_tokens=config.idle_tokens,
+            deterministic=det,
         )
         self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue)
         self._batch = Batch(config.n_batch)
@@ -148,7 +148,7 @@ class Engine:
         # deterministic mode's placement pads), freed after each decode.
         self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
                                      fill_tokens=config.fill_tokens, pad_seq=config.lanes)
-        self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens)
+        self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens, deterministic=det)
         self.placement = (AlignedPlacement(self.pool, self._builder.pad_seq, parse(warm_state).layout) if det
                           else FreePlacement())
         self.info = EngineInfo(
@@ -579,8 +579,8 @@ class Engine:
             lane.phase = Phase.DECODE
             lane.next_token = token
 
-    def _prefill_done(self, lane: Lane) -> None:
-        self.cache.prefill_done(lane)
+    @staticmethod
+    def _prefill_done(lane: Lane) -> None:
         lane.phase = Phase.LAST_TOKEN
         lane.next_token = lane.prompt[-1]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from skippy_cache.exact import exact_length, tiled_end
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.tiers import CacheCounters
@@ -31,12 +32,14 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 class InflightJoins:
     """Pairs a new lane with a running lane that is computing its prefix, and hands the cells over."""
 
-    def __init__(self, pool: CellPool, counters: CacheCounters, grid: int) -> None:
+    def __init__(self, pool: CellPool, counters: CacheCounters, grid: int, *, deterministic: bool = False) -> None:
         self.pool = pool
         self.counters = counters
         #: A join ends on the record grid (so the joiner's own prefill chunks stay
         #: on it) and must save at least this many tokens over the lane's hit.
         self.grid = max(grid, 1)
+        #: A joiner shares only the leader's rows computed by the kernel its own cold run would use (exact.py).
+        self.deterministic = deterministic
 
     def join(self, lane: Lane, lanes: list[Lane]) -> bool:
         """Join `lane` to the running lane that shares the longest prefix with it, if that beats its hit.
@@ -52,6 +55,8 @@ class InflightJoins:
                 continue
             common = min(shared_prefix(lane.prompt, other.prompt), lane.prefill_end, other.prefill_end)
             at = common - common % self.grid
+            if self.deterministic:
+                at = exact_length(at, tiled_end(other.prefill_end), tiled_end(lane.prefill_end))
             if at - lane.n_past >= self.grid and at > best_at:
                 best, best_at = other, at
         if best is None:

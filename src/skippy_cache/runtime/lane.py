@@ -49,18 +49,14 @@ class Lane:
     generated: list[int] = field(default_factory=list)
     first_logits: np.ndarray | None = None
     #: The prompt's names, hashed once at admission (`PrefixCache.name`): the identity of
-    #: everything but the tokens (where the prefix index files this prompt); the whole
-    #: prompt's identity (fast mode; None below min_tokens); the grid lengths' identities
-    #: (deterministic mode: the lengths looked up and the lengths recorded).
+    #: everything but the tokens (where the prefix index files this prompt), and the whole
+    #: prompt's identity (None below min_tokens).
     space: Hashable | None = None
     prompt_identity: PrefixIdentity | None = None
-    identities: dict[int, PrefixIdentity] = field(default_factory=dict)
-    #: Fast mode with a store: the identities at every multiple of its chunk size (the store's names).
+    #: With a store: the identities at every multiple of its chunk size (the store's names).
     chunk_ids: tuple[PrefixIdentity, ...] = ()
     #: Recorded with its first-token logits right after the last prompt token's decode.
     whole_prompt: PrefixIdentity | None = None
-    #: Deterministic mode: grid lengths to record when prefill reaches them.
-    record_lengths: list[int] = field(default_factory=list)
     #: What the lane reused, as its request reports it (RequestStats).
     cache_source: str = "none"
     miss_reason: str | None = None

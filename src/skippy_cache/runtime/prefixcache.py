@@ -9,12 +9,13 @@ A new lane goes through explicit steps, each called by the engine:
 3. `settle`: the hit is counted (once, in `CacheCounters`), and what the lane
    will record is planned.
 
-Records: fast mode records the whole prompt with its first-token logits right
-after the last prompt token's decode (`first_logits`), and when the request
-ends, the lane's whole sequence, prompt and reply (`finished`): the next turn
-of a chat resends that reply inside its history, and reuses it instead of
-prefilling it again. Deterministic mode records the seed's grid lengths when
-prefill reaches them (`prefill_done`).
+Records: the whole prompt with its first-token logits right after the last
+prompt token's decode (`first_logits`), and when the request ends, the lane's
+whole sequence, prompt and reply (`finished`): the next turn of a chat resends
+that reply inside its history, and reuses it instead of prefilling it again.
+Deterministic mode records the same entries, each with the tiled end of the
+prompt that computed it, and reuses of an entry only the rows computed by the
+kernel its own cold run would use (exact.py).
 
 Entries leave the pool when a record's budget, a decode or idleness needs their
 cells; with a store their exact state is exported first (demotion) and kept as
@@ -29,7 +30,6 @@ the shared tier holds into RAM before its request is queued.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
@@ -38,9 +38,9 @@ import numpy as np
 from blake3 import blake3
 
 from skippy_cache.config import PrefixCandidatePolicy, StageKvCacheMode
+from skippy_cache.exact import tiled_end
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities, prefix_identity
 from skippy_cache.misses import MissBook, age_bucket, lengths
-from skippy_cache.placement import ALIGN
 from skippy_cache.resident import ResidentCacheError, ResidentEviction
 from skippy_cache.runtime.costs import RestoreCosts
 from skippy_cache.runtime.lane import Lane
@@ -113,6 +113,7 @@ class PrefixCache:
         *,
         bytes_per_token: int,
         idle_tokens: int,
+        deterministic: bool = False,
     ) -> None:
         self.pool = pool
         self.tiers = tiers
@@ -124,12 +125,12 @@ class PrefixCache:
         self.bytes_per_token = bytes_per_token
         #: With a store: entries unused while the pool decodes this many tokens are demoted (0: never).
         self.idle_tokens = idle_tokens
-        #: Grid lengths (deterministic mode) rather than whole prompts and the radix index.
-        self.on_grid = tiers.index is None
+        #: Hits reuse only rows computed by the kernel the prompt's cold run would use (exact.py).
+        self.deterministic = deterministic
         # Whole-prompt entries cover the last prompt token, decoded on a step
         # of its own, and carry the logits it produced: a key of their own keeps
-        # them apart from any prefix entry of the same tokens (a grid entry in
-        # deterministic mode), which has no logits to sample from.
+        # them apart from any entry of the same tokens that ends a reply (which
+        # has no logits to sample from).
         self._whole_prompt_key = replace(identity_key, extra=(("entry", "whole-prompt"),))
         self.counters = CacheCounters()
         self.costs = RestoreCosts()
@@ -153,15 +154,7 @@ class PrefixCache:
         lane.space = self.identity_key.with_namespace(request.namespace)
         if not ((self.mode.looks_up and request.lookup) or (self.mode.records and request.record)):
             return  # nothing to look up or record: no hashing
-        if self.on_grid:
-            # A lane's own cells start a fresh aligned run, so only grid lengths are
-            # reusable, and only those on a 64-token block boundary: a hit resumes
-            # with a tiled chunk where the cold run started one (batching.py).
-            lengths = self.policy.candidate_token_counts(lane.prefill_end)
-            lengths += self.policy.record_candidate_token_counts(lane.prefill_end)
-            on_grid = {n for n in lengths if n % self._grid_step == 0}
-            lane.identities = prefix_identities(lane.space, request.tokens[: lane.prefill_end], on_grid)
-        elif len(request.tokens) >= max(self.tiers.min_tokens, 1):
+        if len(request.tokens) >= max(self.tiers.min_tokens, 1):
             lane.prompt_identity = self._whole_identity(request)
             if self.store is not None:
                 lane.chunk_ids = self.store.chunk_identities(lane.space, request.tokens[: lane.prefill_end])
@@ -180,7 +173,7 @@ class PrefixCache:
         are the ones `name` gives the lane (pure hashing).
         """
         store = self.store
-        if store is None or store.remote is None or self.on_grid or not (self.mode.looks_up and request.lookup):
+        if store is None or store.remote is None or not (self.mode.looks_up and request.lookup):
             return None
         lane = Lane.for_lookup(request)
         self.name(lane)
@@ -207,35 +200,24 @@ class PrefixCache:
             if length > hit.length:
                 why = Why.EXACT_REPEAT if remote.whole else reuse_why(length, lane.prefill_end)
                 hit = Hit(Source.REMOTE, None, length, why)
-        if hit.why in (Why.NEVER_SEEN, Why.DIVERGED) and not self.on_grid:
+        if hit.why in (Why.NEVER_SEEN, Why.DIVERGED):
             hit = self._explain_miss(hit, lane)
         miss = None if hit.why in (Why.EXACT_REPEAT, Why.ALL_BUT_LAST) else hit.why.value
         return Explanation(hit.source.value, hit.length, len(request.tokens), miss, lane.evicted_ago)
 
-    @property
-    def _grid_step(self) -> int:
-        """Deterministic mode's hit lengths: multiples of the record grid and of the 64-token block."""
-        return math.lcm(self.policy.grid_tokens, ALIGN)
-
     def looks_up(self, lane: Lane) -> bool:
-        """The lane may share cells computed for another request: a fast-mode lookup the request allows.
-
-        Deterministic mode never does: it reuses recorded grid lengths only,
-        whose cells sit on the alignment grid.
-        """
-        return not self.on_grid and self.mode.looks_up and lane.request.lookup
+        """The lane may share cells computed for another request: a lookup the request allows."""
+        return self.mode.looks_up and lane.request.lookup
 
     def plan(self, lane: Lane) -> Hit:
         """What the lane would reuse, from where, and why not more. Changes nothing."""
         request = lane.request
         prefix = request.tokens[: lane.prefill_end]
         refused = self._refusal(request)
-        if self.on_grid:
-            lookups = self.policy.candidate_token_counts(lane.prefill_end)
-            grid = tuple(lane.identities[n] for n in lookups if n in lane.identities)
-            return self.tiers.plan(Query(lane.space, prefix, grid=grid, refused=refused))
         whole = lane.prompt_identity if refused is None else None
-        return self.tiers.plan(Query(lane.space, prefix, whole=whole, chunks=lane.chunk_ids, refused=refused))
+        tiled = tiled_end(lane.prefill_end) if self.deterministic else None
+        return self.tiers.plan(Query(lane.space, prefix, whole=whole, tiled_end=tiled, chunks=lane.chunk_ids,
+                                     refused=refused))
 
     def apply(self, hit: Hit, lane: Lane) -> Hit:
         """Put the hit on the lane's (empty) sequence; returns what is on it.
@@ -279,7 +261,7 @@ class PrefixCache:
 
     def settle(self, hit: Hit, lane: Lane) -> None:
         """Count the lookup once, note on the lane what it reused and why not more, and plan its records."""
-        if hit.why in (Why.NEVER_SEEN, Why.DIVERGED) and not self.on_grid:
+        if hit.why in (Why.NEVER_SEEN, Why.DIVERGED):
             hit = self._explain_miss(hit, lane)
         lane.cache_source = hit.source.value
         lane.miss_reason = None if hit.why in (Why.EXACT_REPEAT, Why.ALL_BUT_LAST) else hit.why.value
@@ -299,19 +281,9 @@ class PrefixCache:
             self._record(lane, lane.prompt_identity, hit.logits)
         if not (self.mode.records and lane.request.record) or hit.whole:
             return
-        if self.on_grid:
-            lengths = self.policy.record_candidate_token_counts(lane.prefill_end)
-            lane.record_lengths = [n for n in lengths if n in lane.identities]
-        else:
-            lane.whole_prompt = lane.prompt_identity
+        lane.whole_prompt = lane.prompt_identity
 
     # -- records ---------------------------------------------------------------------
-
-    def prefill_done(self, lane: Lane) -> None:
-        """Record the grid lengths the lane planned (deterministic mode; fast mode plans none)."""
-        for n in lane.record_lengths:
-            self._record(lane, lane.identities[n])
-        lane.identities = {}
 
     def first_logits(self, lane: Lane, logits: np.ndarray) -> None:
         """The last prompt token was decoded: record the whole prompt with these logits, if planned."""
@@ -330,7 +302,7 @@ class PrefixCache:
         c.missed_tokens[reason] = c.missed_tokens.get(reason, 0) + missed
 
     def finished(self, lane: Lane) -> None:
-        """The request ended: record the lane's sequence, prompt and the reply tokens fed back (fast mode).
+        """The request ended: record the lane's sequence, prompt and the reply tokens fed back.
 
         The cells hold `(prompt + generated)[:n_past]`: the last sampled token
         is fed back only if generation went on after it. Their KV is exact
@@ -338,7 +310,7 @@ class PrefixCache:
         next chat turn) reuses the reply too. Cells are shared with the
         whole-prompt entry, so only the reply's are new.
         """
-        if self.on_grid or not (self.mode.records and lane.request.record) or lane.n_past <= len(lane.prompt):
+        if not (self.mode.records and lane.request.record) or lane.n_past <= len(lane.prompt):
             return
         tokens = (lane.prompt + lane.generated)[: lane.n_past]
         self._record(lane, prefix_identity(lane.space, tokens), tokens=tokens)
@@ -377,11 +349,11 @@ class PrefixCache:
         if logits is not None:
             self.tiers.logits[prefix.page_id] = logits
         resident.commit_record(prefix.page_id, allocation.seq_id, n, nbytes)
-        if not self.on_grid:
-            entry_tokens = (tokens if tokens is not None else lane.prompt)[:n]
-            self.tiers.file(prefix.page_id, lane.space, entry_tokens)
-            self._entries[prefix.page_id] = (lane.space, entry_tokens)
-            self._book_recorded(lane.space, lane.request.namespace, entry_tokens)
+        entry_tokens = (tokens if tokens is not None else lane.prompt)[:n]
+        self.tiers.file(prefix.page_id, lane.space, entry_tokens,
+                        tiled_end(lane.prefill_end) if self.deterministic else None)
+        self._entries[prefix.page_id] = (lane.space, entry_tokens)
+        self._book_recorded(lane.space, lane.request.namespace, entry_tokens)
         self.counters.records += 1
         if lane.request.pin and prefix is lane.prompt_identity:
             resident.pin(prefix.page_id)
