@@ -47,12 +47,16 @@ def tenants(engine: Engine) -> float:
 def chat(engine: Engine) -> float:
     """TTFT p50 (ms) of turns 2-5: each turn resends the history, replies included."""
     histories = [text_tokens(engine, 150, seed=9300 + c) for c in range(4)]
+    # Where each earlier reply sits, as the server finds them in a chat's messages.
+    replies: list[tuple[tuple[int, int], ...]] = [()] * 4
     ttft = []
     for turn in range(5):
         for c in range(4):
             histories[c] = histories[c] + text_tokens(engine, 60, seed=9400 + 10 * c + turn)
-        done = engine.generate_many([GenerationRequest(tokens=h, max_tokens=24) for h in histories])
+        done = engine.generate_many([GenerationRequest(tokens=h, max_tokens=24, replies=r)
+                                     for h, r in zip(histories, replies, strict=True)])
         for c, d in enumerate(done):
+            replies[c] += ((len(histories[c]), len(histories[c]) + len(d.tokens)),)
             histories[c] = histories[c] + list(d.tokens)
         if turn:
             ttft += [d.stats.ttft_ms for d in done]

@@ -1,42 +1,101 @@
-"""Deterministic mode's hit rule: how many leading cells of an entry a prompt may reuse bit for bit.
+"""Deterministic mode's kernels: which kernel computes each row of a prompt, and which hits are exact.
 
 On llama.cpp's CPU flash-attention kernel a row's floats depend on the kernel
 that computed it (placement.py keeps the cells where each kernel needs them):
 - a step of 64 rows or more runs the tiled kernel;
 - a step of fewer rows computes each row on its own.
 
-Deterministic mode prefills a prompt's whole 64-token blocks in tiled steps and
-everything after its last block boundary row by row: the prompt's last partial
-block in a step of its own, the last prompt token, and every generated token.
-So each row's kernel is a function of the prompt alone: tiled below its
-*tiled end* (`tiled_end`), row by row from there on.
+Deterministic mode fixes each row's kernel from the request alone, so that a
+cold run and any warm run compute every row alike. Rows are computed row by
+row from the prompt's last 64-token block boundary on (its last partial block,
+its last token, and every generated token), and over each earlier reply the
+prompt resends (a chat's history: the block where the previous turn's prompt
+ended, up to the next block boundary after the reply), because those rows were
+computed one at a time when the reply was generated. Every other row is
+computed in tiled steps of whole blocks.
 
-A cached entry's first L cells serve a prompt exactly when every one of them
-was computed by the kernel the prompt's own cold run would use, and the prompt
-can resume there the way its cold run went on: a tiled chunk starts on a block
-boundary, so a resume below the prompt's tiled end must be one. Where the two
-tiled ends differ, the rows between them were computed by the other kernel, so
-the hit stops at the lower one.
+A request's kernels are `Kernels`: the positions where row-by-row spans start
+and end, all on the block grid, the last one open. A cached entry's first L
+cells serve a prompt exactly when every one of them was computed by the kernel
+the prompt's own cold run would use, and the prompt can resume there the way
+its cold run went on: a tiled chunk starts on a block boundary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 from skippy_cache.placement import ALIGN
 
 
-def tiled_end(prefill_end: int) -> int:
-    """Where a prompt's tiled rows end: its last 64-token block boundary at or before `prefill_end`
-    (the positions prefilled before the last prompt token)."""
-    return prefill_end - prefill_end % ALIGN
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """Where a prompt's rows switch kernel: row by row from `bounds[0]`, tiled again from `bounds[1]`,
+    row by row from `bounds[2]`, and so on; tiled before `bounds[0]`; the last span never ends.
+
+    Every bound is on the 64-token block grid and they strictly increase, so an
+    odd number of them leaves the last span open.
+    """
+
+    bounds: tuple[int, ...]
+
+    def row_by_row(self, pos: int) -> bool:
+        """Whether the row at `pos` is computed on its own (not tiled)."""
+        return sum(1 for b in self.bounds if b <= pos) % 2 == 1
+
+    def span_end(self, pos: int) -> int | None:
+        """Where the kernel of the row at `pos` changes next; None when it never does."""
+        return next((b for b in self.bounds if b > pos), None)
+
+    @property
+    def tiled_end(self) -> int:
+        """The start of the last (open) row-by-row span."""
+        return self.bounds[-1]
 
 
-def exact_length(length: int, entry_tiled_end: int, prompt_tiled_end: int) -> int:
+def kernels(prefill_end: int, replies: Iterable[tuple[int, int]] = ()) -> Kernels:
+    """The kernels of a prompt that prefills `prefill_end` positions and resends earlier `replies`.
+
+    A reply `(start, end)` occupies positions [start, end): `start` is the
+    length of the prompt that generated it. Its span starts at that prompt's
+    last block boundary and ends at the first block boundary past the reply.
+    """
+    spans = sorted((_floor(start - 1), _ceil(end)) for start, end in replies if 0 < start <= end <= prefill_end)
+    last = _floor(prefill_end)
+    bounds: list[int] = []
+    for lo, hi in spans:
+        if lo >= last:
+            break
+        hi = min(hi, last)
+        if bounds and lo <= bounds[-1]:
+            bounds[-1] = max(bounds[-1], hi)  # overlapping or touching: one span
+        else:
+            bounds += [lo, hi]
+    if bounds and bounds[-1] >= last:
+        bounds.pop()  # the last reply's span runs into the open one
+    else:
+        bounds.append(last)
+    return Kernels(tuple(bounds))
+
+
+def exact_length(length: int, entry: Kernels, prompt: Kernels) -> int:
     """How many of the `length` tokens an entry shares with a prompt the prompt may reuse exactly.
 
-    `entry_tiled_end` is the tiled end of the prompt that computed the entry
-    (its reply, if recorded, was computed row by row after it).
+    `entry` are the kernels of the prompt that computed the entry (its reply,
+    if recorded, was computed row by row past them).
     """
-    if entry_tiled_end == prompt_tiled_end and length >= prompt_tiled_end:
-        return length
-    reusable = min(length, entry_tiled_end, prompt_tiled_end)
-    return reusable - reusable % ALIGN
+    differs = set(entry.bounds) ^ set(prompt.bounds)
+    # Both start tiled: the kernels agree up to the first bound only one of them has.
+    n = min(length, min(differs, default=length))
+    if not prompt.row_by_row(n):
+        n = _floor(n)  # a tiled chunk resumes on a block boundary
+    return n
+
+
+def _floor(n: int) -> int:
+    return n - n % ALIGN
+
+
+def _ceil(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN

@@ -13,7 +13,7 @@ is also probed by name: chunk i of a prompt is named by the prefix identity at
 its end, so chunks written before a restart (or by another process) are found
 from the prompt alone. Deterministic mode has no store, and reuses of an entry
 only the rows its prompt's cold run would compute with the same kernel
-(exact.py): each entry is filed with the tiled end of the prompt that computed it.
+(exact.py): each entry is filed with the kernels of the prompt that computed it.
 
 `plan` is pure: it reads the books and touches nothing (no recency, no
 counters), so the same call answers "what would this request reuse?" without
@@ -21,7 +21,7 @@ running it. The runtime then applies the hit and counts it once.
 
 Invariants, checked by `check_invariants`:
 - a page is indexed iff it is resident or in the store;
-- a page has a tiled end iff it is indexed and was filed with one;
+- a page has kernels iff it is indexed and was filed with them;
 - first-token logits are kept here only for resident pages (the store keeps
   its own copy);
 - each tier's own invariants.
@@ -37,7 +37,7 @@ from typing import Protocol
 import numpy as np
 
 from skippy_cache.chunkstore import ChunkStoreStats
-from skippy_cache.exact import exact_length
+from skippy_cache.exact import Kernels, exact_length
 from skippy_cache.identity import PageId, PrefixIdentity
 from skippy_cache.radix import PrefixIndex
 from skippy_cache.resident import ResidentCacheStats, ResidentPrefixCache
@@ -115,8 +115,8 @@ class Query:
     tokens: Sequence[int]
     #: The whole-prompt identity (fast mode), None when the prompt is too short to record.
     whole: PrefixIdentity | None = None
-    #: Deterministic mode: the prompt's tiled end (exact.py); None in fast mode.
-    tiled_end: int | None = None
+    #: Deterministic mode: the kernels of the prompt's cold run (exact.py); None in fast mode.
+    kernels: Kernels | None = None
     #: Fast mode with a store: the identities at every multiple of its chunk size, shortest first.
     chunks: tuple[PrefixIdentity, ...] = ()
     #: Set when the request may not look up at all, with the reason.
@@ -225,8 +225,8 @@ class CacheTiers:
         self.index = PrefixIndex()
         #: First-token logits of resident whole-prompt entries.
         self.logits: dict[PageId, np.ndarray] = {}
-        #: Deterministic mode: each indexed entry's tiled end (exact.py).
-        self.tiled_ends: dict[PageId, int] = {}
+        #: Deterministic mode: the kernels of the prompt that computed each indexed entry (exact.py).
+        self.kernels: dict[PageId, Kernels] = {}
 
     @property
     def min_tokens(self) -> int:
@@ -244,8 +244,8 @@ class CacheTiers:
             hit = self._whole(query, query.whole)
             if hit is not None:
                 return hit
-        if query.tiled_end is not None:
-            return self._exact(query, query.tiled_end)
+        if query.kernels is not None:
+            return self._exact(query, query.kernels)
         best = Hit.miss(Why.NEVER_SEEN)
         # Any leading part of an entry is exact state for those tokens (attention is causal).
         match = self.index.longest(query.space, query.tokens, prefer=self.resident, min_length=self.min_tokens)
@@ -263,7 +263,7 @@ class CacheTiers:
                 best = Hit(source, None, length, reuse_why(length, len(query.tokens)))
         return best
 
-    def _exact(self, query: Query, tiled_end: int) -> Hit:
+    def _exact(self, query: Query, kernels: Kernels) -> Hit:
         """Deterministic mode: the resident entry whose leading rows serve the prompt exactly for the
         most tokens (exact.py); the shortest entry among equals, which frees the fewest cells."""
         best: tuple[int, int, PageId] | None = None
@@ -273,7 +273,7 @@ class CacheTiers:
             if entry is None:
                 continue
             shared = max(shared, match.length)
-            length = exact_length(match.length, self.tiled_ends[match.page_id], tiled_end)
+            length = exact_length(match.length, self.kernels[match.page_id], kernels)
             key = (-length, entry.token_count, match.page_id)
             best = key if best is None else min(best, key)
         if best is None or -best[0] < max(self.min_tokens, 1):
@@ -310,12 +310,12 @@ class CacheTiers:
     def held(self, page_id: PageId) -> bool:
         return page_id in self.resident or (self.store is not None and page_id in self.store)
 
-    def file(self, page_id: PageId, space: Hashable, tokens: Sequence[int], tiled_end: int | None = None) -> None:
-        """Index an entry's tokens once, with the tiled end of the prompt that computed it (deterministic mode)."""
+    def file(self, page_id: PageId, space: Hashable, tokens: Sequence[int], kernels: Kernels | None = None) -> None:
+        """Index an entry's tokens once, with the kernels of the prompt that computed it (deterministic mode)."""
         if page_id not in self.index:
             self.index.insert(space, tokens, page_id)
-            if tiled_end is not None:
-                self.tiled_ends[page_id] = tiled_end
+            if kernels is not None:
+                self.kernels[page_id] = kernels
 
     def forget_if_gone(self, page_id: PageId) -> None:
         """A page that left a tier stays indexed only while another tier still holds it."""
@@ -323,7 +323,7 @@ class CacheTiers:
             self.logits.pop(page_id, None)
             if not self.held(page_id):
                 self.index.remove(page_id)
-                self.tiled_ends.pop(page_id, None)
+                self.kernels.pop(page_id, None)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the tiers contradict each other (tests and debug)."""
@@ -341,8 +341,8 @@ class CacheTiers:
         assert len(self.index) == len(held), (
             f"{len(self.index)} pages indexed, {len(held)} held: an evicted page stayed in the index"
         )
-        unindexed = [page for page in self.tiled_ends if page not in self.index]
-        assert not unindexed, f"tiled ends kept for pages that are not indexed: {unindexed}"
+        unindexed = [page for page in self.kernels if page not in self.index]
+        assert not unindexed, f"kernels kept for pages that are not indexed: {unindexed}"
 
 
 def reuse_why(length: int, reusable: int) -> Why:

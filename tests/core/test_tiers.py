@@ -7,7 +7,7 @@ import pytest
 
 from skippy_cache.config import ResidentCacheConfig
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identity
-from skippy_cache.exact import tiled_end
+from skippy_cache.exact import kernels
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.tiers import CacheTiers, Hit, Query, Source, Why
 
@@ -78,15 +78,17 @@ def whole_id(tokens: list[int]):
 
 
 def make_resident(
-    t: CacheTiers, tokens: list[int], *, logits: np.ndarray | None = None, prompt_tokens: int | None = None
+    t: CacheTiers, tokens: list[int], *, logits: np.ndarray | None = None, prompt_tokens: int | None = None,
+    replies: tuple[tuple[int, int], ...] = (),
 ) -> PageId:
     """Book a resident whole-prompt entry, as the runtime does after a record; with `prompt_tokens`, a
-    deterministic-mode entry whose first `prompt_tokens` tokens were its prompt (the rest its reply)."""
+    deterministic-mode entry whose first `prompt_tokens` tokens were its prompt (the rest its reply),
+    which resent earlier `replies`."""
     ident = whole_id(tokens)
     allocation = t.resident.allocate_for_record(ident.page_id, len(tokens), len(tokens), lambda _e: None)
     t.resident.commit_record(ident.page_id, allocation.seq_id, len(tokens), len(tokens))
     t.logits[ident.page_id] = logits if logits is not None else np.arange(4, dtype=np.float32)
-    t.file(ident.page_id, SPACE, tokens, None if prompt_tokens is None else tiled_end(prompt_tokens - 1))
+    t.file(ident.page_id, SPACE, tokens, None if prompt_tokens is None else kernels(prompt_tokens - 1, replies))
     return ident.page_id
 
 
@@ -216,8 +218,8 @@ def test_less_than_min_tokens_shared_is_never_seen() -> None:
     assert t.plan(Query(KEY.with_namespace("tenant-b"), A[:-1], whole=None)) == Hit.miss(Why.NEVER_SEEN)
 
 
-def exact_query(prompt: list[int]) -> Query:
-    return Query(SPACE, prompt[:-1], whole=whole_id(prompt), tiled_end=tiled_end(len(prompt) - 1))
+def exact_query(prompt: list[int], replies: tuple[tuple[int, int], ...] = ()) -> Query:
+    return Query(SPACE, prompt[:-1], whole=whole_id(prompt), kernels=kernels(len(prompt) - 1, replies))
 
 
 SYSTEM = list(range(1000, 1600))  # a 600-token system prompt: 9 whole blocks and 24 tokens
@@ -254,8 +256,16 @@ def test_deterministic_mode_reuses_a_reply_computed_row_by_row_past_the_same_til
     page = make_resident(t, turn, prompt_tokens=620)
     hit = t.plan(exact_query(turn + [5] * 5))  # 635 tokens: tiled end 576 too
     assert (hit.page_id, hit.length, hit.why) == (page, 630, Why.DIVERGED)
-    hit = t.plan(exact_query(turn + [5] * 50))  # tiled end 640: the reply's rows were not tiled
+    hit = t.plan(exact_query(turn + [5] * 50))  # tiled end 640: the reply's rows would be tiled cold
     assert (hit.page_id, hit.length, hit.why) == (page, 576, Why.GRID)
+    # Unless the prompt says where the reply is: its cold run computes those rows one at a time too.
+    hit = t.plan(exact_query(turn + [5] * 50, replies=((620, 630),)))
+    assert (hit.page_id, hit.length, hit.why) == (page, 630, Why.DIVERGED)
+    # The turn after reuses that turn's entry (and its reply) the same way.
+    turn2 = turn + [5] * 50 + [6] * 12
+    page2 = make_resident(t, turn2, prompt_tokens=680, replies=((620, 630),))
+    hit = t.plan(exact_query(turn2 + [7] * 90, replies=((620, 630), (680, 692))))
+    assert (hit.page_id, hit.length, hit.why) == (page2, 692, Why.DIVERGED)
 
 
 def test_deterministic_mode_exact_repeat_and_misses() -> None:

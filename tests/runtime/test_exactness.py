@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from prompts import make_tokens
 
-from skippy_cache.runtime.requests import GenerationRequest
+from skippy_cache.runtime.requests import FinishReason, GenerationRequest
 
 
 def test_full_repeat_gives_bit_identical_first_token(fast_engine):
@@ -87,5 +87,33 @@ def test_concurrent_requests_match_cache_off_one_at_a_time_bit_for_bit(exact_eng
         assert diff == 0.0, f"request {i} ({on.stats.cached_tokens} cached): logits differ by {diff}"
         assert on.tokens == off.tokens, f"request {i}: greedy text differs"
     assert sum(on.stats.cached_tokens > 0 for on in got[4:]) == 8
+    assert exact_engine.stats().placement.unaligned_steps == 0
+    assert not exact_engine.invariant_failures
+
+
+def test_the_next_chat_turn_reuses_the_reply_bit_for_bit(exact_engine, cold_engine):
+    # Each turn resends the history, replies included, and says where the replies are
+    # (the server finds them in the messages): their rows are computed one at a time
+    # in the cold run too, so the previous turn's entry serves up to the reply's end.
+    exact_engine.clear_cache()
+    history = make_tokens(exact_engine, 620, seed=300)
+    replies: tuple[tuple[int, int], ...] = ()
+    reused_reply = None
+    for turn in range(3):
+        request = GenerationRequest(tokens=history, max_tokens=24, keep_first_logits=True, replies=replies)
+        on = exact_engine.generate(request)
+        off = cold_engine.generate(request)
+        diff = float(np.abs(on.first_logits - off.first_logits).max())
+        assert diff == 0.0, f"turn {turn} ({on.stats.cached_tokens} cached): logits differ by {diff}"
+        assert on.tokens == off.tokens, f"turn {turn}: greedy text differs"
+        if reused_reply is not None:
+            assert on.stats.cached_tokens == reused_reply, f"turn {turn}: {on.stats.cached_tokens} cached"
+        # Every reply token, but the last one when it was cut at max_tokens: it was never fed back.
+        reused_reply = len(history) + len(on.tokens) - (on.finish_reason is FinishReason.LENGTH)
+        replies += ((len(history), len(history) + len(on.tokens)),)
+        history = history + list(on.tokens) + make_tokens(exact_engine, 70, seed=310 + turn)
+    # Without the replies' places, the reply's rows would be tiled cold: the hit stops before them.
+    alone = exact_engine.generate(GenerationRequest(tokens=history, max_tokens=1, keep_first_logits=True))
+    assert alone.stats.cached_tokens < replies[-1][0]
     assert exact_engine.stats().placement.unaligned_steps == 0
     assert not exact_engine.invariant_failures

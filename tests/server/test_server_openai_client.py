@@ -86,6 +86,24 @@ def test_chat_streamed_with_usage(exact_server: LiveServer) -> None:
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_deterministic_chat_reuses_the_previous_reply(exact_server: LiveServer) -> None:
+    # The server finds the reply in the resent history and has its rows computed one at a
+    # time, as they were generated: the second turn reuses the first turn's prompt and reply.
+    server = exact_server
+    client = server.openai()
+    messages = [{"role": "system", "content": long_prompt("glaciers") + " " + long_prompt("tides")},
+                {"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model=server.model_id, messages=messages, max_completion_tokens=12,
+                                           temperature=0)
+    assert first.usage.prompt_tokens > 128
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And another one, please."}]
+    second = client.chat.completions.create(model=server.model_id, messages=messages, max_completion_tokens=4,
+                                            temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > first.usage.prompt_tokens, f"{cached} cached: the reply was not reused"
+
+
 def test_second_identical_request_reports_cached_tokens(server: LiveServer) -> None:
     client = server.openai()
     prompt = long_prompt("lighthouses")

@@ -44,13 +44,15 @@ class BatchBuilder:
       matmul costs no less per token, so a larger step only makes the lanes
       ahead wait for the tokens of the lanes behind them.
 
-    Deterministic mode prefills whole 64-token blocks first, in chunks as large
-    as the batch, one lane's alone (each row on the tiled kernel, whose floats
-    do not depend on the chunk's size when the cells are aligned:
-    steering.py), then the prompt's last partial block in a chunk of its own,
-    beside other lanes' last partial blocks (row by row). A hit resumes on a
-    block boundary, so every row is computed by the kernel the cold run used,
-    whatever length was reused and whatever ran beside it.
+    Deterministic mode computes each row with the kernel the request fixes
+    (`Lane.kernels`, exact.py): a span of tiled rows (whole 64-token blocks) in
+    chunks as large as the batch, one lane's alone (the tiled kernel's floats
+    do not depend on the chunk's size when the cells are aligned: steering.py);
+    a span of rows computed one at a time (the prompt's last partial block, a
+    resent reply's blocks) in steps of fewer than 64 rows, beside other lanes'
+    such rows. A hit resumes where the request's kernels allow, so every row is
+    computed by the kernel the cold run used, whatever length was reused and
+    whatever ran beside it.
     """
 
     def __init__(self, batch: Batch, grid: int, *, deterministic: bool, fill_tokens: int, pad_seq: int) -> None:
@@ -99,30 +101,27 @@ class BatchBuilder:
         return self._padded(planned)
 
     def _deterministic_chunks(self, prefilling: list[Lane]) -> list[Planned]:
-        """The first lane's whole 64-token blocks alone, or the last partial blocks of every lane
-        that has reached its own, together while they stay under 64 rows.
+        """The first lane's next tiled rows alone, or rows that are computed one at a time, of every
+        lane that has them next, together while the step stays under 64 rows.
 
-        The last partial block gets a chunk of its own: were it in a larger
-        chunk, a hit that resumes at its block boundary (a prompt's longest grid
-        length) would compute it row by row where the cold run tiled it. Under
-        64 rows each row is computed on its own, so several lanes' partial
-        blocks may share a step; whole blocks share none, so that a step of
-        them is always tiled.
+        Under 64 rows each row is computed on its own, so several lanes' such
+        rows may share a step, and a span of them may take several steps; tiled
+        rows share a step with no other lane's, so that it is always tiled.
         """
         lane = prefilling[0]
-        blocks_end = self._blocks_end(lane)
-        if lane.n_past < blocks_end:
-            end = next_chunk_end(lane.n_past, blocks_end, self.batch.capacity, ALIGN, must_progress=True)
+        kernels = lane.kernels
+        if not kernels.row_by_row(lane.n_past):
+            span_end = min(kernels.span_end(lane.n_past) or lane.prefill_end, lane.prefill_end)
+            end = next_chunk_end(lane.n_past, span_end, self.batch.capacity, ALIGN, must_progress=True)
             return [self._add_chunk(lane, end)]
         planned = []
         for lane in prefilling:
-            if lane.n_past >= self._blocks_end(lane) and self.batch.n_tokens + lane.prefill_end - lane.n_past < ALIGN:
-                planned.append(self._add_chunk(lane, lane.prefill_end))
+            kernels = lane.kernels
+            room = ALIGN - 1 - self.batch.n_tokens
+            if room > 0 and kernels.row_by_row(lane.n_past):
+                span_end = min(kernels.span_end(lane.n_past) or lane.prefill_end, lane.prefill_end)
+                planned.append(self._add_chunk(lane, min(span_end, lane.n_past + room)))
         return planned
-
-    @staticmethod
-    def _blocks_end(lane: Lane) -> int:
-        return lane.prefill_end - lane.prefill_end % ALIGN
 
     def _padded(self, planned: list[Planned]) -> list[Planned]:
         self.needs_pad = self.batch.n_tokens == 1

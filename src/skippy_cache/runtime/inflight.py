@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from skippy_cache.exact import exact_length, tiled_end
+from skippy_cache.exact import exact_length
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.tiers import CacheCounters
@@ -56,7 +56,7 @@ class InflightJoins:
             common = min(shared_prefix(lane.prompt, other.prompt), lane.prefill_end, other.prefill_end)
             at = common - common % self.grid
             if self.deterministic:
-                at = exact_length(at, tiled_end(other.prefill_end), tiled_end(lane.prefill_end))
+                at = exact_length(at, other.kernels, lane.kernels)
             if at - lane.n_past >= self.grid and at > best_at:
                 best, best_at = other, at
         if best is None:

@@ -9,6 +9,7 @@ from enum import Enum
 
 import numpy as np
 
+from skippy_cache.exact import Kernels, kernels
 from skippy_cache.identity import PrefixIdentity
 from skippy_cache.runtime.native import Sampler
 from skippy_cache.runtime.requests import EventSink, GenerationRequest, RequestHandle, RequestStats
@@ -86,6 +87,11 @@ class Lane:
     def prefill_end(self) -> int:
         """Everything but the last prompt token, which always gets a step of its own."""
         return len(self.handle.request.tokens) - 1
+
+    @property
+    def kernels(self) -> Kernels:
+        """Which kernel computes each of the prompt's rows in deterministic mode (exact.py)."""
+        return kernels(self.prefill_end, self.handle.request.replies)
 
     def stats(self, now: float) -> RequestStats:
         """The request's figures as it ends at `now` (perf_counter seconds)."""

@@ -38,7 +38,6 @@ import numpy as np
 from blake3 import blake3
 
 from skippy_cache.config import PrefixCandidatePolicy, StageKvCacheMode
-from skippy_cache.exact import tiled_end
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities, prefix_identity
 from skippy_cache.misses import MissBook, age_bucket, lengths
 from skippy_cache.resident import ResidentCacheError, ResidentEviction
@@ -215,8 +214,8 @@ class PrefixCache:
         prefix = request.tokens[: lane.prefill_end]
         refused = self._refusal(request)
         whole = lane.prompt_identity if refused is None else None
-        tiled = tiled_end(lane.prefill_end) if self.deterministic else None
-        return self.tiers.plan(Query(lane.space, prefix, whole=whole, tiled_end=tiled, chunks=lane.chunk_ids,
+        kernels = lane.kernels if self.deterministic else None
+        return self.tiers.plan(Query(lane.space, prefix, whole=whole, kernels=kernels, chunks=lane.chunk_ids,
                                      refused=refused))
 
     def apply(self, hit: Hit, lane: Lane) -> Hit:
@@ -350,8 +349,7 @@ class PrefixCache:
             self.tiers.logits[prefix.page_id] = logits
         resident.commit_record(prefix.page_id, allocation.seq_id, n, nbytes)
         entry_tokens = (tokens if tokens is not None else lane.prompt)[:n]
-        self.tiers.file(prefix.page_id, lane.space, entry_tokens,
-                        tiled_end(lane.prefill_end) if self.deterministic else None)
+        self.tiers.file(prefix.page_id, lane.space, entry_tokens, lane.kernels if self.deterministic else None)
         self._entries[prefix.page_id] = (lane.space, entry_tokens)
         self._book_recorded(lane.space, lane.request.namespace, entry_tokens)
         self.counters.records += 1

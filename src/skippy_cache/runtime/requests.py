@@ -49,6 +49,10 @@ class GenerationRequest:
     pin: bool = False
     #: Give each token event its logprob and this many most likely alternatives (None: no logprobs).
     top_logprobs: int | None = None
+    #: Earlier replies the prompt resends (a chat's history), as (start, end) positions: `start`
+    #: is the length of the prompt that generated the reply. Deterministic mode computes their
+    #: rows one at a time, as they were generated, so the next turn reuses the reply (exact.py).
+    replies: tuple[tuple[int, int], ...] = ()
 
 
 def validate_request(request: GenerationRequest, *, n_vocab: int, n_ctx: int) -> None:

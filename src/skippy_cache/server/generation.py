@@ -82,14 +82,14 @@ class Generation:
         self.models.check(body.model)
         self.limits.check_stop(body.stop)
         self.limits.check_messages(len(body.messages))
-        tokens = await asyncio.to_thread(self._chat_tokens, body.messages)
+        tokens, replies = await asyncio.to_thread(self._chat_prompt, body.messages)
         self.limits.check_prompt(len(tokens), param="messages")
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
             # Up to what the context has left, capped (settings.DEFAULT_CHAT_MAX_TOKENS says why);
             # at least 1 so a prompt that fills the context gets the engine's context error.
             max_tokens = max(min(self.settings.default_max_tokens, self.engine.info.n_ctx - len(tokens)), 1)
-        run = self._submit(body, tokens, max_tokens, prompt_param="messages")
+        run = self._submit(body, tokens, max_tokens, prompt_param="messages", replies=replies)
         fmt = ChatFormat(self.model_id, self.system_fingerprint, logprobs=bool(body.logprobs))
         return await self._respond(request, run, body, fmt)
 
@@ -117,11 +117,12 @@ class Generation:
         self.models.check(body.model)
         if body.messages is not None:
             self.limits.check_messages(len(body.messages))
-            tokens = await asyncio.to_thread(self._chat_tokens, body.messages)
+            tokens, replies = await asyncio.to_thread(self._chat_prompt, body.messages)
         else:
             assert body.prompt is not None  # CacheQuery holds exactly one of the two
-            tokens = await self._prompt_tokens(body.prompt)
-        return GenerationRequest(tokens=tokens, max_tokens=1, namespace=body.cache_salt, lookup=body.cache.lookup)
+            tokens, replies = await self._prompt_tokens(body.prompt), ()
+        return GenerationRequest(tokens=tokens, max_tokens=1, namespace=body.cache_salt, lookup=body.cache.lookup,
+                                 replies=replies)
 
     # -- steps -----------------------------------------------------------------
 
@@ -131,16 +132,34 @@ class Generation:
             return await asyncio.to_thread(self.engine.tokenize, prompt)
         return list(prompt)
 
-    def _chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
+    def _chat_prompt(self, messages: list[ChatMessage]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+        """The messages' prompt tokens, and in deterministic mode where each earlier assistant reply
+        sits in them (`GenerationRequest.replies`)."""
         try:
-            text = self.chat.render(messages)
+            tokens = self._chat_tokens(messages)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+        if not self.engine.info.deterministic:
+            return tokens, ()
+        replies = []
+        for k, message in enumerate(messages):
+            if k == 0 or message.role != "assistant" or not message.content:
+                continue
+            try:
+                # The reply was generated after the prompt of the messages before it.
+                start = len(self._chat_tokens(messages[:k]))
+            except ChatTemplateError:
+                continue  # a template may refuse a history cut there: the reply is then not reused
+            replies.append((start, start + len(self.engine.tokenize(message.content, add_special=False))))
+        return tokens, tuple(replies)
+
+    def _chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
+        text = self.chat.render(messages)
         # The template may already emit BOS; the tokenizer would add a second one.
         return self.engine.tokenize(text, add_special=not self.chat.starts_with_bos(text))
 
     def _submit(self, body: CompletionRequest | ChatCompletionRequest, tokens: list[int], max_tokens: int,
-                *, prompt_param: str) -> EngineRuns:
+                *, prompt_param: str, replies: tuple[tuple[int, int], ...] = ()) -> EngineRuns:
         """One engine request per choice (`n`), all with the same prompt: the first prefills it, the
         others share its cells in flight or reuse its entry, so a choice costs about its decode."""
         sampling = body.sampling()
@@ -157,6 +176,7 @@ class Generation:
                     record=body.cache.store,
                     pin=body.pin,
                     top_logprobs=body.top_logprobs_wanted,
+                    replies=replies,
                 )
                 runs.append(EngineRun(self.engine, request, on_done=self.metrics.observe_done))
         except (RequestError, QueueFullError, EngineClosedError) as exc:
