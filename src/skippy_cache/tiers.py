@@ -240,7 +240,9 @@ class CacheTiers:
         """
         if query.refused is not None:
             return Hit.miss(query.refused)
-        if query.whole is not None:
+        if query.whole is not None and (query.kernels is None or self.kernels.get(query.whole.page_id) == query.kernels):
+            # In deterministic mode the same tokens sent with other replies marked were computed
+            # with other kernels: not an exact repeat, though a prefix of it may serve.
             hit = self._whole(query, query.whole)
             if hit is not None:
                 return hit

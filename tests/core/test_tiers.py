@@ -274,6 +274,9 @@ def test_deterministic_mode_exact_repeat_and_misses() -> None:
     page = make_resident(t, prompt, prompt_tokens=620)
     hit = t.plan(exact_query(prompt))
     assert (hit.page_id, hit.length, hit.why) == (page, 620, Why.EXACT_REPEAT)
+    # The same tokens with a reply marked in them: other kernels, so a prefix serves, not a repeat.
+    hit = t.plan(exact_query(prompt, replies=((100, 150),)))
+    assert (hit.page_id, hit.length, hit.why) == (page, 64, Why.GRID)
     # Sharing 40 tokens with an entry that tiled them serves nothing: the prompt would resume mid-block.
     assert t.plan(exact_query(SYSTEM[:40] + [9] * 200)) == Hit.miss(Why.GRID)
     assert t.plan(exact_query([9] * 200)) == Hit.miss(Why.NEVER_SEEN)
