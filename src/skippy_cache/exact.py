@@ -34,8 +34,8 @@ class Kernels:
     """Where a prompt's rows switch kernel: row by row from `bounds[0]`, tiled again from `bounds[1]`,
     row by row from `bounds[2]`, and so on; tiled before `bounds[0]`; the last span never ends.
 
-    Every bound is on the 64-token block grid and they strictly increase, so an
-    odd number of them leaves the last span open.
+    Every bound is on the 64-token block grid, they strictly increase, and
+    there is an odd number of them: the last span is open.
     """
 
     bounds: tuple[int, ...]
@@ -47,11 +47,6 @@ class Kernels:
     def span_end(self, pos: int) -> int | None:
         """Where the kernel of the row at `pos` changes next; None when it never does."""
         return next((b for b in self.bounds if b > pos), None)
-
-    @property
-    def tiled_end(self) -> int:
-        """The start of the last (open) row-by-row span."""
-        return self.bounds[-1]
 
 
 def kernels(prefill_end: int, replies: Iterable[tuple[int, int]] = ()) -> Kernels:

@@ -13,7 +13,7 @@ Records: the whole prompt with its first-token logits right after the last
 prompt token's decode (`first_logits`), and when the request ends, the lane's
 whole sequence, prompt and reply (`finished`): the next turn of a chat resends
 that reply inside its history, and reuses it instead of prefilling it again.
-Deterministic mode records the same entries, each with the tiled end of the
+Deterministic mode records the same entries, each with the kernels of the
 prompt that computed it, and reuses of an entry only the rows computed by the
 kernel its own cold run would use (exact.py).
 
