@@ -15,6 +15,8 @@ between the head and where the step's cells must land with a pad sequence
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from skippy_cache.cells import CellMap
@@ -55,22 +57,32 @@ def pad_needed(cells: CellMap, target: int, n_tokens: int) -> int:
     return int(np.count_nonzero(free[start:]) + np.count_nonzero(free[:target]))
 
 
-def order_pad(cells: CellMap, above: int, n_rows: int, n_tokens: int) -> int | None:
-    """Free cells to pad so that the first `n_rows` of a batch of `n_tokens` land past cell `above`.
+def order_pad(cells: CellMap, runs: Sequence[tuple[int, int]], n_tokens: int) -> int | None:
+    """Free cells to pad so that each run of a batch of `n_tokens` lands past its sequence's last cell,
+    in position order.
 
-    0: they already do. None: no pad gets there (fewer such free cells than
-    rows in the allocator's search order).
+    `runs` are the batch's first rows in order, as (the sequence's last cell,
+    rows). The allocator gives the batch the free cells in its search order,
+    which rises from its head and wraps to cell 0 once: a run lands past its
+    sequence's cells in order when its first cell is past that last cell and
+    the run does not straddle the wrap. Each run needs only its own sequence's
+    last cell behind it, so lanes low in the pool stay low. 0: they already
+    land so; None: no pad gets there.
     """
-    slot = cells.find_slot(n_tokens)
-    if slot is not None and min(slot[:n_rows]) > above:
-        return 0
     start = cells.search_start(n_tokens)
     free = np.flatnonzero(cells.holders == 0)
     order = np.concatenate((free[free >= start], free[free < start]))
-    # The slot after m pads is order[m : m + n_tokens]: the first m whose n_rows cells are all past `above`.
+    wrap = int(np.count_nonzero(free >= start))
     if len(order) < n_tokens:
         return None
-    good = np.concatenate(([0], np.cumsum(order > above)))
-    windows = np.flatnonzero(good[n_rows:] - good[:-n_rows] == n_rows)
-    windows = windows[windows + n_tokens <= len(order)]
-    return int(windows[0]) if len(windows) else None
+    # The slot after m pads is order[m : m + n_tokens].
+    m = np.arange(len(order) - n_tokens + 1)
+    fits = np.ones(len(m), dtype=bool)
+    offset = 0
+    for last, rows in runs:
+        first = m + offset
+        fits &= order[first] > last
+        fits &= ~((first < wrap) & (wrap < first + rows))
+        offset += rows
+    good = np.flatnonzero(fits)
+    return int(good[0]) if len(good) else None

@@ -58,14 +58,14 @@ def test_pad_needed_counts_around_the_wrap():
 def test_order_pad_is_zero_when_the_rows_already_land_past_the_cell():
     cells = CellMap(256)
     cells.decode([(0, 0, 10)])
-    assert order_pad(cells, cells.last_cell(0), n_rows=1, n_tokens=2) == 0
+    assert order_pad(cells, [(cells.last_cell(0), 1)], n_tokens=2) == 0
 
 
 def test_order_pad_fills_the_free_cells_before_the_sequence_s_last_cell():
     cells = CellMap(256)
     cells.decode([(0, 0, 10), (1, 0, 10)])  # seq 1 on cells 10..19
     cells.seq_rm(0)  # head -> 0: cells 0..9 come first
-    assert order_pad(cells, cells.last_cell(1), n_rows=1, n_tokens=2) == 10
+    assert order_pad(cells, [(cells.last_cell(1), 1)], n_tokens=2) == 10
     cells.decode([(7, 0, 10)])  # the pad
     assert cells.find_slot(2)[0] == 20
 
@@ -74,7 +74,29 @@ def test_order_pad_is_none_when_too_few_cells_lie_past_the_sequence():
     cells = CellMap(64)
     cells.decode([(0, 0, 62)])
     cells.seq_rm(0, 0, 10)
-    assert order_pad(cells, cells.last_cell(0), n_rows=3, n_tokens=3) is None
+    assert order_pad(cells, [(cells.last_cell(0), 3)], n_tokens=3) is None
+
+
+def test_order_pad_puts_each_run_past_its_own_sequence_only():
+    cells = CellMap(256)
+    cells.decode([(0, 0, 10), (1, 0, 100)])  # seq 0 on cells 0..9, seq 1 on 10..109
+    cells.seq_rm(1, 0, 50)  # cells 10..59 free again
+    cells.head = 0
+    # Seq 0's row may take cell 10; seq 1's must come past 109: pad the 49 free cells between.
+    assert order_pad(cells, [(cells.last_cell(0), 1), (cells.last_cell(1), 1)], n_tokens=2) == 49
+    # In the other order seq 1's row comes first, so every free cell up to 109 is padded.
+    assert order_pad(cells, [(cells.last_cell(1), 1), (cells.last_cell(0), 1)], n_tokens=2) == 50
+
+
+def test_order_pad_keeps_a_run_off_the_allocator_s_wrap():
+    cells = CellMap(128)
+    cells.decode([(0, 0, 120)])
+    cells.seq_rm(0, 0, 5)  # cells 0..4 free, 5..119 held, 120..127 free
+    cells.head = 120  # the search goes 120..127, then wraps to 0..4
+    # Three rows of a new sequence fit before the wrap.
+    assert order_pad(cells, [(-1, 3)], n_tokens=3) == 0
+    # Ten would straddle it and land out of position order (127, then 0): no pad helps.
+    assert order_pad(cells, [(-1, 10)], n_tokens=10) is None
 
 
 @given(
@@ -95,7 +117,7 @@ def test_after_order_pad_the_rows_land_past_the_cell(held, above, n_rows, extra)
     cells.head = 0
     above = min(above, n - 1)
     n_tokens = n_rows + extra
-    pad = order_pad(cells, above, n_rows, n_tokens)
+    pad = order_pad(cells, [(above, n_rows)], n_tokens)
     free_past = sum(not held[c] for c in range(above + 1, n))
     # Searching from cell 0, every free cell up to `above` comes first: those are the pads.
     assert (pad is None) == (free_past < n_tokens)

@@ -453,7 +453,11 @@ class Engine:
         for lane in self.joins.poll(self.scheduler.lanes):
             if lane.n_past >= lane.prefill_end:
                 self._prefill_done(lane)
-        planned = self._builder.fill(self.scheduler.lanes)
+        lanes = self.scheduler.lanes
+        if self.config.deterministic:
+            # Lowest cells first: each run needs only its own lane's cells behind it (steering.py).
+            lanes = sorted(lanes, key=lambda lane: self.pool.cells.last_cell(lane.seq_id))
+        planned = self._builder.fill(lanes)
         if not planned:
             return False
         self._steps += 1

@@ -10,8 +10,9 @@ from a moving head, so before each step the free cells it would reach first
 are filled with pads of a spare sequence:
 - a prefill chunk of whole blocks (tiled) lands on an aligned run of free
   cells past the lane's last cell;
-- every other step (decode rows of any lanes, a prompt's last partial block)
-  lands past the last cell of each lane in it.
+- every other step (decode rows of any lanes, rows computed one at a time)
+  lands each lane's rows past that lane's own last cell; the engine orders a
+  step's lanes by their last cells, so lanes low in the pool stay low.
 The pads are freed after the step's decode (engine.py). They are imported,
 not computed: a state of zeroed rows goes in through
 `llama_state_seq_set_data`, which places its cells exactly where a decode of
@@ -77,9 +78,8 @@ class AlignedPlacement:
                 if not evict_one():
                     return False
             return self._pad_until(lambda: pad_needed(cells, target, n_tokens))
-        rows = sum(p.p1 - p.p0 for p in planned)
-        above = max(cells.last_cell(p.lane.seq_id) for p in planned)
-        return self._pad_until(lambda: order_pad(cells, above, rows, n_tokens))
+        runs = [(cells.last_cell(p.lane.seq_id), p.p1 - p.p0) for p in planned]
+        return self._pad_until(lambda: order_pad(cells, runs, n_tokens))
 
     def _pad_until(self, needed: Callable[[], int | None]) -> bool:
         for _ in range(_PAD_ROUNDS):
