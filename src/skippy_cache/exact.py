@@ -44,9 +44,9 @@ class Kernels:
         """Whether the row at `pos` is computed on its own (not tiled)."""
         return sum(1 for b in self.bounds if b <= pos) % 2 == 1
 
-    def span_end(self, pos: int) -> int | None:
-        """Where the kernel of the row at `pos` changes next; None when it never does."""
-        return next((b for b in self.bounds if b > pos), None)
+    def span_end(self, pos: int, end: int) -> int:
+        """Where the run of rows computed by the kernel of the row at `pos` ends, at most `end`."""
+        return next((b for b in self.bounds if pos < b < end), end)
 
 
 def kernels(prefill_end: int, replies: Iterable[tuple[int, int]] = ()) -> Kernels:

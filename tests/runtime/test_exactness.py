@@ -34,6 +34,13 @@ def test_full_repeat_gives_bit_identical_first_token(fast_engine):
     assert warm.tokens[0] == cold.tokens[0]
 
 
+def assert_bit_exact(on, off, what: str) -> None:
+    """A cache-on run's first-token logits and greedy text equal the cache-off run's, bit for bit."""
+    diff = float(np.abs(on.first_logits - off.first_logits).max())
+    assert diff == 0.0, f"{what} ({on.stats.cached_tokens} cached): logits differ by {diff}"
+    assert on.tokens == off.tokens, f"{what}: greedy text differs"
+
+
 def _suite(engine) -> list[list[int]]:
     """12 prompts: 4 shared prefixes (100..1000 tokens) x 3 different tails.
 
@@ -61,9 +68,7 @@ def test_partial_hits_match_cache_off_bit_for_bit(exact_engine, cold_engine):
         if 0 < on.stats.cached_tokens < len(tokens) - 1:
             partial_hits += 1
             past_blocks += on.stats.cached_tokens % 64 != 0
-        diff = float(np.abs(on.first_logits - off.first_logits).max())
-        assert diff == 0.0, f"prompt {i} ({len(tokens)} tokens, {on.stats.cached_tokens} cached): logits differ by {diff}"
-        assert on.tokens == off.tokens, f"prompt {i}: greedy text differs"
+        assert_bit_exact(on, off, f"prompt {i} ({len(tokens)} tokens)")
     # Two of each family's three prompts start from an earlier one's entry; the last is a repeat.
     assert partial_hits >= 8, f"only {partial_hits} partial hits: the suite no longer tests reuse"
     assert past_blocks >= 1, "no hit reused rows past its last whole block"
@@ -83,9 +88,7 @@ def test_concurrent_requests_match_cache_off_one_at_a_time_bit_for_bit(exact_eng
     got = [done for i in range(0, len(requests), 4) for done in exact_engine.generate_many(requests[i : i + 4])]
     for i, (request, on) in enumerate(zip(requests, got, strict=True)):
         off = cold_engine.generate(request)
-        diff = float(np.abs(on.first_logits - off.first_logits).max())
-        assert diff == 0.0, f"request {i} ({on.stats.cached_tokens} cached): logits differ by {diff}"
-        assert on.tokens == off.tokens, f"request {i}: greedy text differs"
+        assert_bit_exact(on, off, f"request {i}")
     assert sum(on.stats.cached_tokens > 0 for on in got[4:]) == 8
     assert exact_engine.stats().placement.unaligned_steps == 0
     assert not exact_engine.invariant_failures
@@ -103,9 +106,7 @@ def test_the_next_chat_turn_reuses_the_reply_bit_for_bit(exact_engine, cold_engi
         request = GenerationRequest(tokens=history, max_tokens=24, keep_first_logits=True, replies=replies)
         on = exact_engine.generate(request)
         off = cold_engine.generate(request)
-        diff = float(np.abs(on.first_logits - off.first_logits).max())
-        assert diff == 0.0, f"turn {turn} ({on.stats.cached_tokens} cached): logits differ by {diff}"
-        assert on.tokens == off.tokens, f"turn {turn}: greedy text differs"
+        assert_bit_exact(on, off, f"turn {turn}")
         if reused_reply is not None:
             assert on.stats.cached_tokens == reused_reply, f"turn {turn}: {on.stats.cached_tokens} cached"
         # Every reply token, but the last one when it was cut at max_tokens: it was never fed back.

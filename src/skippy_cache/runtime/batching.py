@@ -109,17 +109,15 @@ class BatchBuilder:
         rows share a step with no other lane's, so that it is always tiled.
         """
         lane = prefilling[0]
-        kernels = lane.kernels
-        if not kernels.row_by_row(lane.n_past):
-            span_end = min(kernels.span_end(lane.n_past) or lane.prefill_end, lane.prefill_end)
+        if not lane.kernels.row_by_row(lane.n_past):
+            span_end = lane.kernels.span_end(lane.n_past, lane.prefill_end)
             end = next_chunk_end(lane.n_past, span_end, self.batch.capacity, ALIGN, must_progress=True)
             return [self._add_chunk(lane, end)]
         planned = []
         for lane in prefilling:
-            kernels = lane.kernels
             room = ALIGN - 1 - self.batch.n_tokens
-            if room > 0 and kernels.row_by_row(lane.n_past):
-                span_end = min(kernels.span_end(lane.n_past) or lane.prefill_end, lane.prefill_end)
+            if room > 0 and lane.kernels.row_by_row(lane.n_past):
+                span_end = lane.kernels.span_end(lane.n_past, lane.prefill_end)
                 planned.append(self._add_chunk(lane, min(span_end, lane.n_past + room)))
         return planned
 

@@ -68,6 +68,12 @@ class Lane:
     #: Phase JOIN: the lane whose cells of positions [0, join_at) this one will share.
     leader: Lane | None = None
     join_at: int = 0
+    #: Which kernel computes each of the prompt's rows in deterministic mode (exact.py): fixed
+    #: by the request, so worked out once, not on every step that plans the lane's chunks.
+    kernels: Kernels = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.kernels = kernels(self.prefill_end, self.handle.request.replies)
 
     @property
     def request(self) -> GenerationRequest:
@@ -88,10 +94,6 @@ class Lane:
         """Everything but the last prompt token, which always gets a step of its own."""
         return len(self.handle.request.tokens) - 1
 
-    @property
-    def kernels(self) -> Kernels:
-        """Which kernel computes each of the prompt's rows in deterministic mode (exact.py)."""
-        return kernels(self.prefill_end, self.handle.request.replies)
 
     def stats(self, now: float) -> RequestStats:
         """The request's figures as it ends at `now` (perf_counter seconds)."""
