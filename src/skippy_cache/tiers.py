@@ -11,9 +11,11 @@ The tokens of every entry are filed in the token radix index (`PrefixIndex`),
 so a hit may be any leading part of any entry held by this process. The store
 is also probed by name: chunk i of a prompt is named by the prefix identity at
 its end, so chunks written before a restart (or by another process) are found
-from the prompt alone. Deterministic mode has no store, and reuses of an entry
-only the rows its prompt's cold run would compute with the same kernel
-(exact.py): each entry is filed with the kernels of the prompt that computed it.
+from the prompt alone. Deterministic mode reuses of an entry only the rows its
+prompt's cold run would compute with the same kernel (exact.py): each entry is
+filed with the kernels of the prompt that computed it, and the store's pages
+are found through the index alone (a name does not say which kernels computed
+a chunk's rows).
 
 `plan` is pure: it reads the books and touches nothing (no recency, no
 counters), so the same call answers "what would this request reuse?" without
@@ -266,23 +268,31 @@ class CacheTiers:
         return best
 
     def _exact(self, query: Query, kernels: Kernels) -> Hit:
-        """Deterministic mode: the resident entry whose leading rows serve the prompt exactly for the
-        most tokens (exact.py); the shortest entry among equals, which frees the fewest cells."""
-        best: tuple[int, int, PageId] | None = None
+        """Deterministic mode: the entry whose leading rows serve the prompt exactly for the most
+        tokens (exact.py); among equals a resident one, then the shortest (it frees the fewest cells).
+
+        Pages of the store are found through the index only: a chunk found by
+        name does not say which kernels computed its rows.
+        """
+        best: tuple[int, bool, int, PageId, Source] | None = None
         shared = 0
         for match in self.index.matches(query.space, query.tokens, min_length=self.min_tokens):
             entry = self.resident.peek(match.page_id)
+            length, source = match.length, Source.RESIDENT
             if entry is None:
-                continue
-            shared = max(shared, match.length)
-            length = exact_length(match.length, self.kernels[match.page_id], kernels)
-            key = (-length, entry.token_count, match.page_id)
+                assert self.store is not None, f"page {match.page_id} indexed but held nowhere"
+                available, source = self.store.available(match.page_id)
+                length = min(length, available)
+            shared = max(shared, length)
+            length = exact_length(length, self.kernels[match.page_id], kernels)
+            size = self.index.token_count(match.page_id) or 0
+            key = (-length, entry is None, size, match.page_id, source)
             best = key if best is None else min(best, key)
         if best is None or -best[0] < max(self.min_tokens, 1):
             return Hit.miss(Why.NEVER_SEEN if shared == 0 else Why.GRID)
         length = -best[0]
         why = reuse_why(length, len(query.tokens)) if length == shared else Why.GRID
-        return Hit(Source.RESIDENT, best[2], length, why)
+        return Hit(best[4], best[3], length, why)
 
     def _whole(self, query: Query, prompt: PrefixIdentity) -> Hit | None:
         page, n = prompt.page_id, prompt.token_count

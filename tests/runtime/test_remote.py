@@ -149,6 +149,17 @@ def test_a_server_that_is_not_there_costs_no_request():
         engine.close(drain=False)
 
 
+def test_deterministic_mode_has_a_store_but_no_shared_tier(redis_server):
+    # A chunk found by name does not say which kernels computed its rows.
+    engine = Engine(EngineConfig(ctx_size=1024, lanes=1, host_cache_bytes=64 << 20, cache_dir=None,
+                                 remote=RemoteConfig(url=redis_server.url), deterministic=True), start=False)
+    try:
+        assert engine.cache.store is not None and engine.cache.store.remote is None
+        assert engine.info.store_note is not None and "kernels" in engine.info.store_note
+    finally:
+        engine.close(drain=False)
+
+
 def test_auth_in_the_url(redis_with_password):
     engine = replica(redis_with_password.url)
     wrong = replica(redis_with_password.url.replace("s3cret-pw", "wrong"))

@@ -66,3 +66,33 @@ def test_a_decode_row_lands_past_its_sequence_s_last_cell(engine):
     assert engine.placement.stats.unaligned_steps == 0
     assert engine.pool.cells.seq_len(engine.placement.pad_seq) == 0
     engine.pool.cells.check_invariants()
+
+
+def test_a_restore_lands_on_the_grid(engine):
+    engine.pool.free(-1)
+    _decode(engine, [(1, 0, 64)])
+    state = engine.pool.export(1)
+    engine.pool.free(1)
+    _decode(engine, [(0, 0, 10)])  # the next free cell, 10, is off the grid
+    assert engine.placement.place_import(1, 64, lambda: False)
+    assert engine.pool.restore(1, state, 64)
+    engine.placement.clear_pads()
+    assert _cells(engine, 1) == list(range(64, 128))
+    assert engine.pool.mismatches([0, 1]) == []
+    engine.pool.cells.check_invariants()
+
+
+def test_a_lane_with_no_room_past_its_cells_moves_down_the_grid(engine):
+    engine.pool.free(-1)
+    n_cells = engine.pool.cells.n_cells
+    for p0 in range(0, n_cells - 100, 256):
+        _decode(engine, [(1, p0, min(p0 + 256, n_cells - 100))])
+    _decode(engine, [(0, 0, 100)])  # seq 0 holds the pool's last 100 cells
+    engine.pool.free(1)
+    before = engine.placement.stats.relocations
+    _step(engine, 0, 100, 101, 0)
+    # Moved to the first cells (its 100 rows unchanged, in position order), its new row after them.
+    assert _cells(engine, 0) == list(range(101))
+    assert engine.placement.stats.relocations - before == 1
+    assert engine.placement.stats.unaligned_steps == 0
+    engine.pool.cells.check_invariants()

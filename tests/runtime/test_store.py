@@ -12,6 +12,7 @@ from fastmode import assert_logits_close
 from prompts import make_tokens
 
 from skippy_cache.chunks import chunk_key
+from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
 from skippy_cache.runtime import CacheDirBusy, Engine, EngineConfig
 from skippy_cache.runtime.gguf_info import default_model_path
 from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel
@@ -69,6 +70,18 @@ def chunk_files(root: Path) -> list[Path]:
 def idle_out(engine: Engine, seed: int) -> None:
     """Other work, past IDLE decoded tokens: every entry recorded before it leaves the pool."""
     run(engine, make_tokens(engine, 200, seed=seed))
+    settle(engine)
+
+
+def demote_unpinned(engine: Engine) -> None:
+    """Every entry but the pinned ones leaves the pool for the store, as a decode that needs cells would make it."""
+
+    def demote() -> None:
+        resident = engine.cache.tiers.resident
+        while resident.stats().entries > resident.stats().pinned:
+            assert engine.cache.evict_one()
+
+    engine.call(demote)
     settle(engine)
 
 
@@ -263,13 +276,36 @@ def test_a_full_disk_never_fails_a_request(tmp_path: Path) -> None:
         engine.close()
 
 
-def test_deterministic_mode_has_no_store(tmp_path: Path) -> None:
-    engine = Engine(config(tmp_path, deterministic=True), start=False)
+def test_deterministic_mode_restores_from_the_store_bit_for_bit() -> None:
+    # Deterministic mode demotes entries only when their cells are needed (here: all
+    # but the pins, as pressure would); a later hit restores them onto cells on the
+    # block grid, and the output equals a cold run's bit for bit.
+    warm = Engine(config(None, deterministic=True))
+    cold = Engine(config(None, deterministic=True, cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
     try:
-        assert engine.cache.store is None and engine.stats().cache.store is None
-        assert not (tmp_path / "lock").exists()
+        system = make_tokens(warm, 600, seed=90)
+        # Tails that end the last whole block at 576 (reusing all 600) and at 768 (reusing 576,
+        # then tiled blocks over the restored cells).
+        prompts = [system + make_tokens(warm, n, seed=91 + i) for i, n in enumerate((20, 27, 200))]
+        first = run(warm, prompts[0], max_tokens=8)
+        for i, prompt in enumerate(prompts[1:] + [prompts[0]], start=1):
+            demote_unpinned(warm)
+            # A pinned 70-token entry decoded now leaves the allocator's next free cell off
+            # the block grid: a restore put there would not compute as the cold run did.
+            warm.generate(GenerationRequest(tokens=make_tokens(warm, 70, seed=80 + i), max_tokens=1, pin=True))
+            on = run(warm, prompt, max_tokens=8)
+            off = run(cold, prompt, max_tokens=8)
+            assert on.stats.cache_source == "ram", f"prompt {i}: {on.stats.cache_source}"
+            assert on.stats.cached_tokens >= 576
+            diff = float(np.abs(on.first_logits - off.first_logits).max())
+            assert diff == 0.0, f"prompt {i} ({on.stats.cached_tokens} cached): logits differ by {diff}"
+            assert on.tokens == off.tokens, f"prompt {i}: greedy text differs"
+        assert on.tokens == first.tokens  # the first prompt again, restored whole
+        assert warm.stats().placement.unaligned_steps == 0
+        assert warm.invariant_failures == []
     finally:
-        engine.close()
+        warm.close()
+        cold.close()
 
 
 def test_without_a_store_idle_entries_stay_resident() -> None:

@@ -75,7 +75,7 @@ from skippy_cache.runtime.requests import (
     validate_request,
 )
 from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
-from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement
+from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.runtime.textstream import TextStream
 from skippy_cache.stateformat import parse
 from skippy_cache.tiers import CacheTiers
@@ -124,12 +124,25 @@ class Engine:
         self.pool = CellPool(self.ctx)
         # The warm-up's one-token state also names the KV layout every stored chunk is cut in.
         warm_state = self.pool.warm_up(max(self.model.bos, 0))
-        store, store_note = (None, None) if det else open_store(config, warm_state)
+        store, store_note = open_store(config, warm_state)
         if store_note:
             log.warning("%s", store_note)
         resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100)
         tiers = CacheTiers(resident, store)
         identity_key = IdentityKey.from_stage(stage, model_digest=gguf.digest, runtime_abi=runtime_abi())
+        self._batch = Batch(config.n_batch)
+        # The seed reserves two sequence ids per lane; the ids past the lanes
+        # are spare: the first holds a step's pads (a one-row step's pad row, and
+        # deterministic mode's placement pads), freed after each decode.
+        self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
+                                     fill_tokens=config.fill_tokens, pad_seq=config.lanes)
+        self.placement: Placement = (AlignedPlacement(self.pool, self._builder.pad_seq, parse(warm_state).layout)
+                                     if det else FreePlacement())
+        # Deterministic mode demotes entries only when their cells are needed: a
+        # restore is a lane's own copy of cells that a resident entry shares with
+        # every lane that hits it, and each lane needs free cells past its own
+        # (steering.py), so copies that fill the pool push lanes to its top.
+        idle_tokens = 0 if det else config.idle_tokens
         self.cache = PrefixCache(
             self.pool,
             tiers,
@@ -138,19 +151,11 @@ class Engine:
             policy,
             mode,
             bytes_per_token=self.model.kv_bytes_per_token(config.type_k, config.type_v),
-            idle_tokens=config.idle_tokens,
-            deterministic=det,
+            idle_tokens=idle_tokens,
+            placement=self.placement,
         )
         self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue)
-        self._batch = Batch(config.n_batch)
-        # The seed reserves two sequence ids per lane; the ids past the lanes
-        # are spare: the first holds a step's pads (a one-row step's pad row, and
-        # deterministic mode's placement pads), freed after each decode.
-        self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
-                                     fill_tokens=config.fill_tokens, pad_seq=config.lanes)
         self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens, deterministic=det)
-        self.placement = (AlignedPlacement(self.pool, self._builder.pad_seq, parse(warm_state).layout) if det
-                          else FreePlacement())
         self.info = EngineInfo(
             model=gguf,
             description=self.model.description,
@@ -170,7 +175,7 @@ class Engine:
             chunk_tokens=config.chunk_tokens,
             remote_url=store.remote.url if store is not None and store.remote is not None else None,
             store_note=store_note,
-            idle_tokens=config.idle_tokens,
+            idle_tokens=idle_tokens,
             max_queue=config.max_queue,
             bos_text=self.model.special_text(self.model.bos),
             eos_text=self.model.special_text(self.model.eos),

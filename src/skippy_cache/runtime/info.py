@@ -60,8 +60,7 @@ class EngineConfig:
     max_queue: int = 64
     #: The state store's RAM tier: host RAM for exact states that left the
     #: pool, as chunks (None: the smaller of 8 GiB and a quarter of the
-    #: machine's RAM; 0: none). No store in deterministic mode, where a
-    #: restored state would land on cells off the alignment grid.
+    #: machine's RAM; 0: none).
     host_cache_bytes: int | None = None
     #: The store's disk tier: a directory this process alone uses (None: no disk tier).
     cache_dir: Path | None = None
@@ -84,7 +83,8 @@ class EngineConfig:
     #: tokens is demoted. A resident cell costs every decoded token attention
     #: time, and a restore costs a copy per cell; past this many tokens an idle
     #: entry has cost more than bringing it back (README: the cache path, state store).
-    #: 0: entries leave only when a budget or a decode needs their cells.
+    #: 0: entries leave only when a budget or a decode needs their cells
+    #: (always, in deterministic mode: engine.py).
     idle_tokens: int = 256
     #: After every step, check the cache's books and that the cell mirror
     #: matches llama.cpp's sequences (tests; costs a native call per sequence).

@@ -47,6 +47,7 @@ from skippy_cache.runtime.pool import CellPool
 from skippy_cache.runtime.requests import GenerationRequest
 from skippy_cache.runtime.remote import Prefetched
 from skippy_cache.runtime.statestore import StateStore
+from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why, reuse_why
 
 
@@ -112,7 +113,7 @@ class PrefixCache:
         *,
         bytes_per_token: int,
         idle_tokens: int,
-        deterministic: bool = False,
+        placement: Placement | None = None,
     ) -> None:
         self.pool = pool
         self.tiers = tiers
@@ -124,8 +125,10 @@ class PrefixCache:
         self.bytes_per_token = bytes_per_token
         #: With a store: entries unused while the pool decodes this many tokens are demoted (0: never).
         self.idle_tokens = idle_tokens
+        #: Where a restore's cells land (deterministic mode: on the block grid, steering.py).
+        self.placement = placement or FreePlacement()
         #: Hits reuse only rows computed by the kernel the prompt's cold run would use (exact.py).
-        self.deterministic = deterministic
+        self.deterministic = isinstance(self.placement, AlignedPlacement)
         # Whole-prompt entries cover the last prompt token, decoded on a step
         # of its own, and carry the logits it produced: a key of their own keeps
         # them apart from any entry of the same tokens that ends a reply (which
@@ -155,7 +158,7 @@ class PrefixCache:
             return  # nothing to look up or record: no hashing
         if len(request.tokens) >= max(self.tiers.min_tokens, 1):
             lane.prompt_identity = self._whole_identity(request)
-            if self.store is not None:
+            if self.store is not None and not self.deterministic:
                 lane.chunk_ids = self.store.chunk_identities(lane.space, request.tokens[: lane.prefill_end])
 
     @property
@@ -490,7 +493,13 @@ class PrefixCache:
             return False
         if not self.make_room(fetched.cells):
             return None
-        if not self.pool.restore(lane.seq_id, fetched.payload, fetched.cells):
+        if not self.placement.place_import(lane.seq_id, fetched.cells, self.evict_one):
+            # Off the block grid the rows would not be what the cold run computes.
+            self.placement.clear_pads()
+            return None
+        restored = self.pool.restore(lane.seq_id, fetched.payload, fetched.cells)
+        self.placement.clear_pads()
+        if not restored:
             if hit.page_id is not None:
                 store.discard(hit.page_id)
                 self.tiers.forget_if_gone(hit.page_id)
@@ -520,6 +529,10 @@ class PrefixCache:
         if store is None or page_id in store or page_id not in self._entries:
             return
         space, tokens = self._entries[page_id]
+        if self.deterministic:
+            # Chunks are named by their tokens; rows computed by other kernels must not share a name.
+            assert isinstance(space, IdentityKey)
+            space = replace(space, extra=space.extra + (("kernels", repr(self.tiers.kernels[page_id].bounds)),))
         logits = self.tiers.logits.get(page_id)
         queued = store.put(page_id, space, tokens, self.pool.export(seq_id),
                            logits.tobytes() if logits is not None else None, durable=page_id in self._reused)

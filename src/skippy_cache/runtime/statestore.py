@@ -509,7 +509,10 @@ def open_store(config: EngineConfig, warm_state: bytes | bytearray) -> tuple[Sta
         disk = DiskChunks(config.cache_dir, config.disk_cache_bytes, reserve_bytes=config.disk_reserve_bytes)
     remote = None
     note = None
-    if config.remote is not None and ram <= 0:
+    if config.remote is not None and config.deterministic:
+        note = _no_remote(config, "deterministic mode restores only the entries this process stored: a chunk "
+                                  "found by name does not say which kernels computed its rows")
+    elif config.remote is not None and ram <= 0:
         # Chunks from the shared tier land in RAM before a restore reads them.
         note = _no_remote(config, "it needs the RAM tier (--host-cache-mib > 0)")
     elif config.remote is not None:

@@ -12,8 +12,12 @@ are filled with pads of a spare sequence:
   cells past the lane's last cell;
 - every other step (decode rows of any lanes, rows computed one at a time)
   lands each lane's rows past that lane's own last cell; the engine orders a
-  step's lanes by their last cells, so lanes low in the pool stay low.
-The pads are freed after the step's decode (engine.py). They are imported,
+  step's lanes by their last cells, so lanes low in the pool stay low;
+- a state restored from the store onto an empty lane lands on an aligned run,
+  as the whole blocks it holds did when they were computed;
+- a lane with no free cells past its own (lanes climb the pool as they grow)
+  is moved down: exported, and imported back onto an aligned run.
+The pads are freed after the step's decode (engine.py) or the import. They are imported,
 not computed: a state of zeroed rows goes in through
 `llama_state_seq_set_data`, which places its cells exactly where a decode of
 as many tokens would. No other sequence attends to them, so their rows never
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from skippy_cache.placement import ALIGN, aligned_target, order_pad, pad_needed
 from skippy_cache.runtime.batching import Planned
@@ -42,6 +47,21 @@ class PlacementStats:
     pad_tokens: int = 0
     #: Steps that could not be placed as exactness needs (not bit-exact).
     unaligned_steps: int = 0
+    #: Lanes moved down the pool (exported, imported on the grid) for want of room past their cells.
+    relocations: int = 0
+
+
+class Placement(Protocol):
+    stats: PlacementStats
+
+    def before_decode(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> None:
+        """Pad so that the step's `n_tokens` land where they must."""
+
+    def place_import(self, seq_id: int, n_cells: int, evict_one: Callable[[], bool]) -> bool:
+        """Pad so that `n_cells` imported onto the empty `seq_id` land where they must; False if they cannot."""
+
+    def clear_pads(self) -> None:
+        """Free the pads once the import is done."""
 
 
 class FreePlacement:
@@ -51,6 +71,12 @@ class FreePlacement:
         self.stats = PlacementStats()
 
     def before_decode(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> None:
+        pass
+
+    def place_import(self, seq_id: int, n_cells: int, evict_one: Callable[[], bool]) -> bool:
+        return True
+
+    def clear_pads(self) -> None:
         pass
 
 
@@ -68,18 +94,72 @@ class AlignedPlacement:
         if not self._steer(planned, n_tokens, evict_one):
             self.stats.unaligned_steps += 1
 
+    def place_import(self, seq_id: int, n_cells: int, evict_one: Callable[[], bool]) -> bool:
+        """A restore of positions [0, n_cells) lands on an aligned run, as a chunk of whole blocks would.
+
+        False when it cannot: the caller then prefills instead (a restore
+        refused is counted as a miss for want of room, not as an unaligned step).
+        """
+        cells = self.pool.cells
+        while (target := aligned_target(cells, cells.last_cell(seq_id), 0, n_cells)) is None:
+            if not evict_one():
+                return False
+        return self._pad_until(lambda: pad_needed(cells, target, n_cells))
+
+    def clear_pads(self) -> None:
+        if self.pool.cells.seq_len(self.pad_seq):
+            self.pool.free(self.pad_seq)
+
     def _steer(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> bool:
+        if self._place(planned, n_tokens):
+            return True
+        # No room past some lane's last cell: lanes climb the pool as they grow
+        # (each step lands past their cells), and a long-lived lane reaches the
+        # top. Move the step's lanes down, highest first, until the step fits.
+        cells = self.pool.cells
+        for seq in sorted({p.lane.seq_id for p in planned}, key=cells.last_cell, reverse=True):
+            self.clear_pads()
+            if not self._relocate(seq, n_tokens, evict_one):
+                return False
+            if self._place(planned, n_tokens):
+                return True
+        return False
+
+    def _place(self, planned: list[Planned], n_tokens: int) -> bool:
         cells = self.pool.cells
         first = planned[0]
         if len(planned) == 1 and first.row < 0 and first.p1 - first.p0 >= ALIGN:
             # Whole blocks (batching.py): an aligned run past the lane's last cell.
-            seq, p0 = first.lane.seq_id, first.p0
-            while (target := aligned_target(cells, cells.last_cell(seq), p0, n_tokens)) is None:
-                if not evict_one():
-                    return False
-            return self._pad_until(lambda: pad_needed(cells, target, n_tokens))
-        runs = [(cells.last_cell(p.lane.seq_id), p.p1 - p.p0) for p in planned]
-        return self._pad_until(lambda: order_pad(cells, runs, n_tokens))
+            target = aligned_target(cells, cells.last_cell(first.lane.seq_id), first.p0, n_tokens)
+            return target is not None and self._pad_until(lambda: pad_needed(cells, target, n_tokens))
+        return self._pad_until(
+            lambda: order_pad(cells, [(cells.last_cell(p.lane.seq_id), p.p1 - p.p0) for p in planned], n_tokens)
+        )
+
+    def _relocate(self, seq_id: int, room: int, evict_one: Callable[[], bool]) -> bool:
+        """Move a lane's cells to the lowest aligned run of free cells with `room` more free after it,
+        evicting entries until there is one; False if there is none even then.
+
+        Its KV is exported and imported back: the same rows, in the same
+        position order, on the grid, so every later row computes as it would
+        have where the lane was.
+        """
+        cells = self.pool.cells
+        n = cells.seq_len(seq_id)
+        state = self.pool.export(seq_id)
+        self.pool.free(seq_id)
+        while (target := aligned_target(cells, -1, 0, n + room)) is None:
+            if not evict_one():
+                break
+        placed = target is not None and self._pad_until(lambda: pad_needed(cells, target, n))
+        while not self.pool.restore(seq_id, state, n):
+            # The lane's own cells were freed, but cells it shared stay held by entries.
+            self.clear_pads()
+            if not evict_one():
+                raise RuntimeError(f"a lane's {n} cells could not be imported back after a move")
+        self.clear_pads()
+        self.stats.relocations += 1
+        return placed
 
     def _pad_until(self, needed: Callable[[], int | None]) -> bool:
         for _ in range(_PAD_ROUNDS):

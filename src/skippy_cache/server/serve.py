@@ -25,7 +25,7 @@ def _store_lines(engine: Engine) -> list[str]:
     info = engine.info
     store = engine.stats().cache.store
     if store is None:
-        why = "deterministic mode" if info.deterministic else (info.store_note or "no RAM or disk tier configured")
+        why = info.store_note or "no RAM or disk tier configured"
         return [f"  store     off ({why})"]
     leaves = f"after {info.idle_tokens} idle tokens" if info.idle_tokens else "only when their cells are needed"
     lines = [

@@ -292,7 +292,7 @@ OPTIONS: tuple[Option, ...] = (
            "critical, error, warning, info, debug or trace (default info)", "LEVEL"),
     Option("host_cache_mib", "--host-cache-mib", "SKIPPY_HOST_CACHE_MIB", "host_cache_mib", _int(0),
            "RAM tier of the state store in MiB, for exact KV states that left the pool; 0 turns it off "
-           "(default: the smaller of 8 GiB and a quarter of RAM; no store with --deterministic)", "N"),
+           "(default: the smaller of 8 GiB and a quarter of RAM)", "N"),
     Option("cache_dir", "--cache-dir", "SKIPPY_CACHE_DIR", "cache_dir", _cache_dir,
            "disk tier of the state store, one server per directory; states there survive restarts "
            "(default: $XDG_CACHE_HOME/skippy-cache; 'none' turns the disk tier off)", "DIR"),
@@ -303,7 +303,7 @@ OPTIONS: tuple[Option, ...] = (
            "(default 64)", "N"),
     Option("idle_tokens", "--idle-tokens", "SKIPPY_IDLE_TOKENS", "idle_tokens", _int(0),
            "move an entry from the pool to the store once the pool has decoded this many tokens without "
-           "using it; 0: only when its cells are needed (default 256)", "N"),
+           "using it; 0: only when its cells are needed (default 256; 0 with --deterministic)", "N"),
     Option("dashboard_prefix_text", "--dashboard-prefix-text", "SKIPPY_DASHBOARD_PREFIX_TEXT",
            "dashboard_prefix_text", _bool, "show the first words of the top prefixes on /dashboard (default on; "
            "off shows only their figures)", is_bool=True),
