@@ -66,7 +66,7 @@ def check(args: argparse.Namespace, deterministic: bool) -> None:
     off_batched = run(off, requests, 4)
     off.close()
 
-    mode = "deterministic mode" if deterministic else "default (fast) mode"
+    mode = "exact mode (the default)" if deterministic else "fast mode (--fast)"
     print(f"{mode}: {len(prompts)} prompts, greedy {args.tokens} tokens; reference: cache off, one at a time")
     compare("cache off, 4 at a time (batching alone)", off_batched, reference)
     for at_once in (1, 4):

@@ -1,7 +1,7 @@
 """Zero, tenants and chat in-process, for comparing two versions of the step planner.
 
     PYTHONPATH=OTHER_CHECKOUT/src:benchmarks .venv/bin/python benchmarks/planner_ab.py old
-    PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/planner_ab.py new [--deterministic]
+    PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/planner_ab.py new [--fast]
 
 Alternate the two a few times and compare medians: one run moves by 10% or more on a 2-core
 machine. Prints zero's throughput and TTFT p50 (16 distinct 512-token prompts, 16 tokens,
@@ -64,9 +64,9 @@ def chat(engine: Engine) -> float:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--deterministic"]
+    args = [a for a in sys.argv[1:] if a != "--fast"]
     label = args[0] if args else "this checkout"
-    engine = Engine(EngineConfig(cache_dir=None, deterministic="--deterministic" in sys.argv))
+    engine = Engine(EngineConfig(cache_dir=None, deterministic="--fast" not in sys.argv))
     try:
         rate, zero_ttft = zero(engine)
         print(f"{label}: zero {rate:.3f} req/s, TTFT p50 {zero_ttft:.0f} ms | tenants later p50 "

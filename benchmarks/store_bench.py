@@ -60,8 +60,10 @@ def free_port() -> int:
 
 def start(cache_dir: Path, model: Path | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "skippy_cache", "serve", "--port", str(port), "--cache-dir", str(cache_dir),
-           "--log-level", "warning"] + (["--model", str(model)] if model else [])
+    # Fast mode: exact mode finds stored entries through its own index only, so a restart starts cold.
+    cmd = [sys.executable, "-m", "skippy_cache", "serve", "--fast", "--port", str(port),
+           "--cache-dir", str(cache_dir), "--log-level", "warning"]
+    cmd += ["--model", str(model)] if model else []
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKIPPY_")}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -143,7 +145,8 @@ def settle(engine: Engine) -> None:
 def dedup(model: Path | None, chunk_tokens: int) -> None:
     print(f"2. dedup (every entry leaves the pool for the store; chunks of {chunk_tokens} tokens)")
     for name in ("tenants", "chat"):
-        engine = Engine(EngineConfig(model_path=model, host_cache_bytes=4 << 30, chunk_tokens=chunk_tokens))
+        engine = Engine(EngineConfig(model_path=model, deterministic=False, host_cache_bytes=4 << 30,
+                                     chunk_tokens=chunk_tokens))
         try:
             if name == "tenants":
                 systems = [tokens(engine, 600, 1000 + k) for k in range(8)]
@@ -172,7 +175,7 @@ def restore_vs_prefill(runs: int, model: Path | None) -> None:
     with tempfile.TemporaryDirectory() as d:
         for tier, cfg in (("RAM", dict(host_cache_bytes=4 << 30)),
                           ("disk", dict(host_cache_bytes=0, cache_dir=Path(d), disk_reserve_bytes=0))):
-            engine = Engine(EngineConfig(model_path=model, **cfg))
+            engine = Engine(EngineConfig(model_path=model, deterministic=False, **cfg))
             try:
                 prefill, restore = [], []
                 for i in range(runs):
@@ -195,7 +198,7 @@ def restore_vs_prefill(runs: int, model: Path | None) -> None:
 
 
 def partial(model: Path | None) -> None:
-    engine = Engine(EngineConfig(model_path=model, host_cache_bytes=4 << 30))
+    engine = Engine(EngineConfig(model_path=model, deterministic=False, host_cache_bytes=4 << 30))
     try:
         p = tokens(engine, 2000, 11000)
         run(engine, p)

@@ -26,7 +26,7 @@ CHUNK = 256
 def replica(url: str, **remote: object) -> Engine:
     config = RemoteConfig(url=url, retry_s=0.2, **remote)  # type: ignore[arg-type]
     return Engine(EngineConfig(ctx_size=4096, lanes=2, host_cache_bytes=1 << 30, cache_dir=None,
-                               chunk_tokens=CHUNK, remote=config, check_invariants=True))
+                               chunk_tokens=CHUNK, remote=config, deterministic=False, check_invariants=True))
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ CHUNK = 128
 
 def config(cache_dir: Path | None, **overrides: object) -> EngineConfig:
     base = dict(ctx_size=4096, lanes=4, idle_tokens=IDLE, host_cache_bytes=256 << 20, cache_dir=cache_dir,
-                disk_reserve_bytes=0, chunk_tokens=CHUNK, check_invariants=True)
+                disk_reserve_bytes=0, chunk_tokens=CHUNK, deterministic=False, check_invariants=True)
     base.update(overrides)
     return EngineConfig(**base)  # type: ignore[arg-type]
 

@@ -23,7 +23,7 @@ QUEUE = 4
 
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
-    settings = ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE)
+    settings = ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE, fast=True)
     engine = Engine(settings.engine_config())
     warm_up(engine)
     yield engine
@@ -32,22 +32,22 @@ def engine() -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def server(engine: Engine) -> Iterator[LiveServer]:
-    yield from run_server(engine, ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE))
+    yield from run_server(engine, ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE, fast=True))
 
 
 @pytest.fixture(scope="session")
 def exact_server() -> Iterator[LiveServer]:
-    """A deterministic-mode server: for tests that compare greedy text across runs.
+    """A server in the default (exact) mode: for tests that compare greedy text across runs.
 
     The session server runs in fast mode, where batching, threads and pool
     occupancy move the logits' last bits and may flip a greedy choice between
-    two runs of one prompt; deterministic mode gives the same text every time.
+    two runs of one prompt; exact mode gives the same text every time.
     """
-    yield from run_own_server(ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=16, deterministic=True))
+    yield from run_own_server(ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=16))
 
 
 @pytest.fixture(scope="session")
 def key_server(engine: Engine) -> Iterator[LiveServer]:
     """The same engine behind a second app that requires an API key."""
-    settings = ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE, api_key=API_KEY)
+    settings = ServerSettings(ctx_size=CTX, lanes=LANES, queue_size=QUEUE, api_key=API_KEY, fast=True)
     yield from run_server(engine, settings)

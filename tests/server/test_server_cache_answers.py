@@ -22,7 +22,8 @@ def text(n_words: int, seed: int) -> str:
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     # No disk tier (nothing outlives the test), no idle demotions (what is resident stays put).
-    yield from run_own_server(ServerSettings(ctx_size=4096, lanes=2, cache_dir=None, idle_tokens=0))
+    yield from run_own_server(ServerSettings(ctx_size=4096, lanes=2, cache_dir=None, idle_tokens=0,
+                                             fast=True))
 
 
 def complete(server: LiveServer, prompt: str | list[int], **extra: object) -> dict:

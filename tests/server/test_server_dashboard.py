@@ -39,7 +39,7 @@ def browser() -> Iterator[webdriver.Chrome]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    yield from run_own_server(ServerSettings(ctx_size=2048, lanes=2, cache_dir=None))
+    yield from run_own_server(ServerSettings(ctx_size=2048, lanes=2, cache_dir=None, fast=True))
 
 
 def loads(browser: webdriver.Chrome) -> int:
@@ -88,7 +88,8 @@ def test_the_page_draws_the_pool_and_follows_requests(browser: webdriver.Chrome,
 
 
 def test_with_an_api_key_the_data_needs_it(browser: webdriver.Chrome) -> None:
-    for server in run_own_server(ServerSettings(ctx_size=512, lanes=1, cache_dir=None, api_key=API_KEY)):
+    settings = ServerSettings(ctx_size=512, lanes=1, cache_dir=None, api_key=API_KEY, fast=True)
+    for server in run_own_server(settings):
         assert httpx.get(f"{server.url}/v1/dashboard", timeout=30).status_code == 401
         browser.get(f"{server.url}/dashboard")
         login = wait_for(lambda: (f := browser.find_element(By.ID, "login")).is_displayed() and f, "the key form")

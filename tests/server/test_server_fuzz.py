@@ -32,7 +32,7 @@ MAX_TOKENS = 2
 @pytest.fixture(scope="module")
 def fuzz_server(engine: Engine) -> Iterator[LiveServer]:
     settings_ = ServerSettings(ctx_size=engine.info.n_ctx, lanes=engine.info.lanes, queue_size=64,
-                               default_max_tokens=MAX_TOKENS)
+                               default_max_tokens=MAX_TOKENS, fast=True)
     yield from run_server(engine, settings_)
 
 

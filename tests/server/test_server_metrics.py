@@ -149,7 +149,7 @@ def store_server() -> Iterator[LiveServer]:
     # A prompt answered with one token records one entry: the whole prompt, with its first-token logits.
     # Chunks of 256: the test's prompt is shorter than one, so its entry is stored as one chunk (its tail).
     settings = ServerSettings(ctx_size=1024, lanes=1, queue_size=4, host_cache_mib=HOST_MIB, idle_tokens=IDLE_TOKENS,
-                              chunk_tokens=256)
+                              chunk_tokens=256, fast=True)
     yield from run_own_server(settings)
 
 
@@ -233,7 +233,7 @@ def test_store_demotion_and_restore_in_metrics_and_report(store_server: LiveServ
 
 def test_no_store_reports_none_and_zeros() -> None:
     """host_cache_mib = 0 and no cache_dir reach the engine: no store, `store: null`, zero store metrics."""
-    settings = ServerSettings(ctx_size=256, lanes=1, host_cache_mib=0, idle_tokens=0)
+    settings = ServerSettings(ctx_size=256, lanes=1, host_cache_mib=0, idle_tokens=0, fast=True)
     engine = Engine(settings.engine_config())
     try:
         report = cache_report(engine)

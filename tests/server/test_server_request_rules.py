@@ -29,7 +29,7 @@ def limited(engine: Engine) -> Iterator[LiveServer]:
     """The session's engine behind an app with small limits and strict model names."""
     settings = ServerSettings(ctx_size=engine.info.n_ctx, lanes=engine.info.lanes, max_body_mib=1,
                               max_prompt_tokens=PROMPT_CAP, max_stop=2, max_stop_chars=8, max_messages=3,
-                              strict_model_names=True)
+                              strict_model_names=True, fast=True)
     yield from run_server(engine, settings)
 
 

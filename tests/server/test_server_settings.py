@@ -58,52 +58,58 @@ def test_store_options(tmp_path: Path) -> None:
 
 def test_shared_tier_options(tmp_path: Path) -> None:
     assert settings([]).engine_config().remote is None  # off by default: no server to start
-    s = settings(["--remote-cache", "redis://cache:6379/2", "--remote-cache-ttl", "600",
+    s = settings(["--fast", "--remote-cache", "redis://cache:6379/2", "--remote-cache-ttl", "600",
                   "--remote-cache-timeout-ms", "20"])
     remote = s.engine_config().remote
     assert remote is not None
     assert (remote.url, remote.ttl_s, remote.timeout_ms, remote.password) == ("redis://cache:6379/2", 600, 20, None)
     password = tmp_path / "pw"
     password.write_text("hunter2\nignored\n")
-    env = {"SKIPPY_REMOTE_CACHE": "rediss://cache:6380/0", "SKIPPY_REMOTE_CACHE_PASSWORD_FILE": str(password)}
+    env = {"SKIPPY_FAST": "1", "SKIPPY_REMOTE_CACHE": "rediss://cache:6380/0",
+           "SKIPPY_REMOTE_CACHE_PASSWORD_FILE": str(password)}
     remote = settings([], env).engine_config().remote
     assert remote is not None and (remote.url, remote.password) == ("rediss://cache:6380/0", "hunter2")
-    path = write(tmp_path, "remote_cache = 'unix:///run/redis.sock'\nremote_cache_ttl = 60\n")
+    path = write(tmp_path, "fast = true\nremote_cache = 'unix:///run/redis.sock'\nremote_cache_ttl = 60\n")
     remote = settings(["--config", str(path)]).engine_config().remote
     assert remote is not None and (remote.url, remote.ttl_s) == ("unix:///run/redis.sock", 60)
     assert settings(["--remote-cache", "none"]).remote_cache is None
     # A URL with a password in it never shows in a message or a repr.
     with pytest.raises(SettingsError, match="redis://, rediss:// or unix://") as raised:
-        settings(["--remote-cache", "http://user:hunter2@cache:6379"])
+        settings(["--fast", "--remote-cache", "http://user:hunter2@cache:6379"])
     assert "hunter2" not in str(raised.value)
-    assert "hunter2" not in repr(settings(["--remote-cache", "redis://u:hunter2@cache:6379/0"]))
-    missing = settings(["--remote-cache", "redis://c:1/0", "--remote-cache-password-file", str(tmp_path / "no")])
+    assert "hunter2" not in repr(settings(["--fast", "--remote-cache", "redis://u:hunter2@cache:6379/0"]))
+    missing = settings(["--fast", "--remote-cache", "redis://c:1/0",
+                        "--remote-cache-password-file", str(tmp_path / "no")])
     with pytest.raises(SettingsError, match="--remote-cache-password-file"):
         missing.engine_config()
+    # Exact mode restores only what its own process stored: asking it for a shared tier is an error.
+    with pytest.raises(SettingsError, match="--remote-cache needs --fast"):
+        settings(["--remote-cache", "redis://cache:6379/2"])
 
 
 def test_cli_options_map_to_settings() -> None:
     s = settings([
         "--model", "/m.gguf", "--host", "0.0.0.0", "--port", "9000", "--ctx-size", "4096", "--lanes", "2",
         "--cache-mode", "off", "--max-entries", "10", "--max-bytes", "1_000_000", "--min-tokens", "32",
-        "--stride", "64", "--record-limit", "0", "--api-key", "k", "--queue-size", "3", "--deterministic",
+        "--stride", "64", "--record-limit", "0", "--api-key", "k", "--queue-size", "3", "--fast",
     ])
     assert str(s.model) == "/m.gguf" and s.host == "0.0.0.0" and s.port == 9000
-    assert (s.ctx_size, s.lanes, s.api_key, s.queue_size, s.deterministic) == (4096, 2, "k", 3, True)
+    assert (s.ctx_size, s.lanes, s.api_key, s.queue_size, s.fast) == (4096, 2, "k", 3, True)
     c = s.cache
     assert c.mode is StageKvCacheMode.DISABLED
     assert (c.max_entries, c.max_bytes, c.min_tokens) == (10, 1_000_000, 32)
     assert (c.shared_prefix_stride_tokens, c.shared_prefix_record_limit) == (64, 0)
     engine = s.engine_config()
-    assert (engine.ctx_size, engine.lanes, engine.max_queue, engine.deterministic) == (4096, 2, 3, True)
+    assert (engine.ctx_size, engine.lanes, engine.max_queue, engine.deterministic) == (4096, 2, 3, False)
+    assert settings([]).engine_config().deterministic  # exact mode unless told otherwise
     assert engine.cache == c
 
 
 def test_environment_including_the_cores_cache_variables() -> None:
-    env = {"SKIPPY_PORT": "8123", "SKIPPY_DETERMINISTIC": "yes", "SKIPPY_KV_CACHE": "record",
+    env = {"SKIPPY_PORT": "8123", "SKIPPY_FAST": "yes", "SKIPPY_KV_CACHE": "record",
            "SKIPPY_KV_CACHE_MIN_TOKENS": "16", "SKIPPY_KV_CACHE_SHARED_STRIDE_TOKENS": "32"}
     s = settings([], env)
-    assert s.port == 8123 and s.deterministic is True
+    assert s.port == 8123 and s.fast is True
     assert s.cache.mode is StageKvCacheMode.RECORD
     assert (s.cache.min_tokens, s.cache.shared_prefix_stride_tokens) == (16, 32)
 
@@ -145,8 +151,8 @@ def test_host_tier_options_from_cli_env_and_file(tmp_path: Path) -> None:
 
 
 def test_file_types_are_checked(tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match="deterministic"):
-        settings(["--config", str(write(tmp_path, 'deterministic = "maybe"\n'))])
+    with pytest.raises(SettingsError, match="fast"):
+        settings(["--config", str(write(tmp_path, 'fast = "maybe"\n'))])
     with pytest.raises(SettingsError, match="unknown setting 'ctx'"):
         settings(["--config", str(write(tmp_path, "ctx = 5\n"))])
     with pytest.raises(SettingsError, match="not valid TOML"):
@@ -169,7 +175,7 @@ def test_file_types_are_checked(tmp_path: Path) -> None:
         (["--lanes", "0"], {}, "--lanes"),
         (["--cache-mode", "sometimes"], {}, "--cache-mode"),
         ([], {"SKIPPY_CTX_SIZE": "big"}, "SKIPPY_CTX_SIZE"),
-        ([], {"SKIPPY_DETERMINISTIC": "perhaps"}, "SKIPPY_DETERMINISTIC"),
+        ([], {"SKIPPY_FAST": "perhaps"}, "SKIPPY_FAST"),
         ([], {"SKIPPY_KV_CACHE_MAX_ENTRIES": "-3"}, "SKIPPY_KV_CACHE_MAX_ENTRIES"),
         ([], {"SKIPPY_KV_CACHE": "sometimes"}, "SKIPPY_KV_CACHE"),
         (["--host-cache-mib", "-1"], {}, r"--host-cache-mib=-1 must be at least 0"),

@@ -22,7 +22,7 @@ SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 def soak_server() -> Iterator[LiveServer]:
     # A queue that holds every client and burst (a full queue is a 503, which the soak counts
     # as a failure), and a small body limit so bodies over it are cheap to send.
-    yield from run_own_server(ServerSettings(ctx_size=2048, lanes=4, queue_size=64, cache_dir=None,
+    yield from run_own_server(ServerSettings(ctx_size=2048, lanes=4, queue_size=64, cache_dir=None, fast=True,
                                              max_body_mib=1))
 
 

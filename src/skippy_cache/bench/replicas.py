@@ -181,8 +181,13 @@ def _wait_for_ping(server: RedisServer) -> None:
 def replica_command(
     configuration: Configuration, port: int, model: Path, ctx_size: int, remote_url: str
 ) -> list[str]:
-    """The bench's own skippy-cache command (no disk tier), with the configuration's threads and tier."""
-    command = server_command(_KIND, port, model, ctx_size) + ["--threads", str(configuration.threads)]
+    """The bench's own skippy-cache command (no disk tier), with the configuration's threads and tier.
+
+    Fast mode in every configuration: the shared tier needs it (exact mode restores only what its
+    own process stored), and the configurations differ in their tiers alone.
+    """
+    command = server_command(_KIND, port, model, ctx_size)
+    command += ["--fast", "--threads", str(configuration.threads)]
     return command + (["--remote-cache", remote_url] if configuration.shared else [])
 
 

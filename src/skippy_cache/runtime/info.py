@@ -51,12 +51,13 @@ class EngineConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = True
-    #: Cache-on output equals cache-off output bit for bit: whole 64-token
-    #: blocks prefilled apart from the prompt's last partial block, a prefill
-    #: chunk never shares a `llama_decode`, and every step's cells steered onto
-    #: the grid and into position order (EXACTNESS.md, batching.py,
-    #: steering.py). Costs throughput under concurrency.
-    deterministic: bool = False
+    #: Cache-on output equals cache-off output bit for bit, whatever else runs:
+    #: each row's kernel fixed by its request, hits that reuse only rows computed
+    #: alike, every step's cells steered onto the grid and into position order
+    #: (EXACTNESS.md, exact.py, batching.py, steering.py). False is fast mode:
+    #: hits at any length and a shared tier, with output that may move in the
+    #: last float bits with batching and pool occupancy.
+    deterministic: bool = True
     max_queue: int = 64
     #: The state store's RAM tier: host RAM for exact states that left the
     #: pool, as chunks (None: the smaller of 8 GiB and a quarter of the

@@ -68,7 +68,7 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
         f"            digest {model.digest}, chat template: {template}",
         f"  pool      n_ctx {info.n_ctx} cells, {info.lanes} lanes, {info.threads} threads, "
         f"n_seq_max {budgets.n_seq_max}, n_batch {info.n_batch}, "
-        f"deterministic {'on' if info.deterministic else 'off'}",
+        f"{'exact' if info.deterministic else 'fast'} mode",
         f"  cache     mode {mode}, max entries {budgets.max_entries}, token cap {token_cap}, "
         f"byte cap {budgets.max_bytes or 'none'}",
         f"            reserved sequences 0..{budgets.reserved_seq_count - 1} (lanes), "

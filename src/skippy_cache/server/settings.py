@@ -68,7 +68,9 @@ class ServerSettings:
     api_key: str | None = None
     #: Requests waiting for a lane beyond this get 503 with Retry-After.
     queue_size: int = 64
-    deterministic: bool = False
+    #: Fast mode: hits at any length and the shared tier; output may move in the last
+    #: float bits with batching and pool occupancy (default: exact mode).
+    fast: bool = False
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     model_alias: str = DEFAULT_MODEL_ALIAS
     #: Refuse (404) a request naming a model other than the model's id or the alias; off: any name
@@ -112,7 +114,7 @@ class ServerSettings:
             lanes=self.lanes,
             threads=self.threads,
             cache=self.cache,
-            deterministic=self.deterministic,
+            deterministic=not self.fast,
             max_queue=self.queue_size,
             host_cache_bytes=None if self.host_cache_mib is None else self.host_cache_mib * MIB,
             cache_dir=self.cache_dir,
@@ -264,9 +266,10 @@ OPTIONS: tuple[Option, ...] = (
            "require 'Authorization: Bearer KEY' on /v1/* (default: no key)", "KEY"),
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
            "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
-    Option("deterministic", "--deterministic", "SKIPPY_DETERMINISTIC", "deterministic", _bool,
-           "bit-exact mode: output does not depend on other traffic or on cache hits (a "
-           "prefill chunk runs alone and hits are on the 64-token grid: slower under load; default off)", is_bool=True),
+    Option("fast", "--fast", "SKIPPY_FAST", "fast", _bool,
+           "fast mode: hits at any length and the shared tier, but output may move in the last float bits "
+           "with other traffic and with cache hits (default off: cache-on output equals cache-off output "
+           "bit for bit)", is_bool=True),
     Option("default_max_tokens", "--default-max-tokens", "SKIPPY_DEFAULT_MAX_TOKENS", "default_max_tokens",
            _int(1), f"max_tokens of a chat request that sets none (default {DEFAULT_CHAT_MAX_TOKENS}, "
            "or what is left of the context if less)", "N"),
@@ -303,7 +306,7 @@ OPTIONS: tuple[Option, ...] = (
            "(default 64)", "N"),
     Option("idle_tokens", "--idle-tokens", "SKIPPY_IDLE_TOKENS", "idle_tokens", _int(0),
            "move an entry from the pool to the store once the pool has decoded this many tokens without "
-           "using it; 0: only when its cells are needed (default 256; 0 with --deterministic)", "N"),
+           "using it; 0: only when its cells are needed (default 256, fast mode only)", "N"),
     Option("dashboard_prefix_text", "--dashboard-prefix-text", "SKIPPY_DASHBOARD_PREFIX_TEXT",
            "dashboard_prefix_text", _bool, "show the first words of the top prefixes on /dashboard (default on; "
            "off shows only their figures)", is_bool=True),
@@ -462,6 +465,9 @@ def build_settings(values: Mapping[str, object]) -> ServerSettings:
     top = {k: v for k, v in values.items() if not k.startswith("cache.")}
     cache = {k.removeprefix("cache."): v for k, v in values.items() if k.startswith("cache.")}
     settings = ServerSettings(**top)  # type: ignore[arg-type]
+    if settings.remote_cache is not None and not settings.fast:
+        # A chunk found by name does not say which kernels computed its rows (exact.py).
+        raise SettingsError("--remote-cache needs --fast: exact mode restores only what this process stored")
     if cache:
         settings = dataclasses.replace(settings, cache=dataclasses.replace(settings.cache, **cache))
     return settings

@@ -41,7 +41,7 @@ def cache_report(engine: Engine) -> dict:
         # Each request's lookup counted once: hits by tier, records, evictions, demotions.
         "counters": dataclasses.asdict(s.cache.counters),
         "resident": dataclasses.asdict(s.cache.resident),
-        # The state store's pages and tiers; None without one (deterministic mode, or turned off).
+        # The state store's pages and tiers; None without one (turned off).
         "store": dataclasses.asdict(s.cache.store) if s.cache.store is not None else None,
         # The shared tier (Redis/Valkey): reachable or not, chunks in and out, round trips; None without one.
         "remote": dataclasses.asdict(s.remote) if s.remote is not None else None,
