@@ -60,7 +60,7 @@ def free_port() -> int:
 
 def start(cache_dir: Path, model: Path | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    # Fast mode: exact mode finds stored entries through its own index only, so a restart starts cold.
+    # Fast mode, as the README's figures from this script were measured.
     cmd = [sys.executable, "-m", "skippy_cache", "serve", "--fast", "--port", str(port),
            "--cache-dir", str(cache_dir), "--log-level", "warning"]
     cmd += ["--model", str(model)] if model else []

@@ -19,13 +19,19 @@ and end, all on the block grid, the last one open. A cached entry's first L
 cells serve a prompt exactly when every one of them was computed by the kernel
 the prompt's own cold run would use, and the prompt can resume there the way
 its cold run went on: a tiled chunk starts on a block boundary.
+
+State that leaves the process (the store's chunks on disk and in the shared
+tier, found by name) carries in its name the bounds that decide the kernels
+of its rows (`rows_key`): a chunk's name then matches only a prompt that
+computes every one of those rows alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from skippy_cache.identity import IdentityKey
 from skippy_cache.placement import ALIGN
 
 
@@ -47,6 +53,19 @@ class Kernels:
     def span_end(self, pos: int, end: int) -> int:
         """Where the run of rows computed by the kernel of the row at `pos` ends, at most `end`."""
         return next((b for b in self.bounds if pos < b < end), end)
+
+    def before(self, end: int) -> tuple[int, ...]:
+        """The bounds that decide the kernels of rows [0, end): prompts with equal ones compute those rows alike."""
+        return tuple(b for b in self.bounds if b < end)
+
+
+def rows_key(space: IdentityKey, bounds: tuple[int, ...]) -> IdentityKey:
+    """The identity key of state whose rows were computed with these kernel bounds (`Kernels.before`).
+
+    Never equal to `space` itself: state computed in fast mode, by whatever
+    kernels, never shares a name with state computed in deterministic mode.
+    """
+    return replace(space, extra=space.extra + (("rows", ",".join(map(str, bounds))),))
 
 
 def kernels(prefill_end: int, replies: Iterable[tuple[int, int]] = ()) -> Kernels:

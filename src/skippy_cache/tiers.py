@@ -13,9 +13,8 @@ is also probed by name: chunk i of a prompt is named by the prefix identity at
 its end, so chunks written before a restart (or by another process) are found
 from the prompt alone. Deterministic mode reuses of an entry only the rows its
 prompt's cold run would compute with the same kernel (exact.py): each entry is
-filed with the kernels of the prompt that computed it, and the store's pages
-are found through the index alone (a name does not say which kernels computed
-a chunk's rows).
+filed with the kernels of the prompt that computed it, and a chunk's name also
+says which kernel computed each of its rows and every row before them.
 
 `plan` is pure: it reads the books and touches nothing (no recency, no
 counters), so the same call answers "what would this request reuse?" without
@@ -242,9 +241,11 @@ class CacheTiers:
         """
         if query.refused is not None:
             return Hit.miss(query.refused)
-        if query.whole is not None and (query.kernels is None or self.kernels.get(query.whole.page_id) == query.kernels):
+        if query.whole is not None and (query.kernels is None
+                                        or self.kernels.get(query.whole.page_id, query.kernels) == query.kernels):
             # In deterministic mode the same tokens sent with other replies marked were computed
-            # with other kernels: not an exact repeat, though a prefix of it may serve.
+            # with other kernels: not an exact repeat, though a prefix of it may serve. (A page found
+            # by name is filed nowhere here: its name says which kernels computed it.)
             hit = self._whole(query, query.whole)
             if hit is not None:
                 return hit
@@ -261,18 +262,16 @@ class CacheTiers:
                 length = min(length, available)
             if length >= self.min_tokens:
                 best = Hit(source, match.page_id, length, reuse_why(length, len(query.tokens)))
-        if self.store is not None and query.chunks:
-            length, source, _ = self.store.probe(query.chunks, None)
-            if length > best.length and length >= self.min_tokens:
-                best = Hit(source, None, length, reuse_why(length, len(query.tokens)))
+        found = self._named(query)
+        if found.length > best.length and found.length >= self.min_tokens:
+            best = found
         return best
 
     def _exact(self, query: Query, kernels: Kernels) -> Hit:
         """Deterministic mode: the entry whose leading rows serve the prompt exactly for the most
         tokens (exact.py); among equals a resident one, then the shortest (it frees the fewest cells).
-
-        Pages of the store are found through the index only: a chunk found by
-        name does not say which kernels computed its rows.
+        Chunks found by name serve when they reach further: their names say which kernel computed
+        every row (`rows_key`), so a run of them is exact as it stands.
         """
         best: tuple[int, bool, int, PageId, Source] | None = None
         shared = 0
@@ -288,11 +287,22 @@ class CacheTiers:
             size = self.index.token_count(match.page_id) or 0
             key = (-length, entry is None, size, match.page_id, source)
             best = key if best is None else min(best, key)
+        found = self._named(query)
+        if found.length >= max(self.min_tokens, 1) and (best is None or found.length > -best[0]):
+            return found
         if best is None or -best[0] < max(self.min_tokens, 1):
             return Hit.miss(Why.NEVER_SEEN if shared == 0 else Why.GRID)
         length = -best[0]
         why = reuse_why(length, len(query.tokens)) if length == shared else Why.GRID
         return Hit(best[4], best[3], length, why)
+
+    def _named(self, query: Query) -> Hit:
+        """The run of the prompt's chunks the store holds by name (written before a restart, or by
+        another replica)."""
+        if self.store is None or not query.chunks:
+            return Hit.miss(Why.NEVER_SEEN)
+        length, source, _ = self.store.probe(query.chunks, None)
+        return Hit(source, None, length, reuse_why(length, len(query.tokens)))
 
     def _whole(self, query: Query, prompt: PrefixIdentity) -> Hit | None:
         page, n = prompt.page_id, prompt.token_count

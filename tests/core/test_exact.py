@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from skippy_cache.exact import Kernels, exact_length, kernels
+from skippy_cache.exact import Kernels, exact_length, kernels, rows_key
+from skippy_cache.identity import IdentityKey
 from skippy_cache.placement import ALIGN
 
 
@@ -86,3 +87,23 @@ def test_kernels_match_the_rule_s_words(prefill_end: int, prompt_replies: list):
     k = kernels(prefill_end, prompt_replies)
     assert list(k.bounds) == sorted(set(k.bounds)) and all(b % ALIGN == 0 for b in k.bounds)
     assert "".join("R" if k.row_by_row(p) else "T" for p in range(400)) == rows(prefill_end, prompt_replies, 400)
+
+
+@given(st.integers(0, 300), replies, st.integers(0, 300), replies, st.integers(1, 5))
+def test_equal_bounds_before_a_chunk_end_mean_its_rows_were_computed_alike(
+    a_end: int, a_replies: list, b_end: int, b_replies: list, blocks: int
+):
+    # The store names a chunk by `before(end)`: two prompts share a chunk's name exactly
+    # when every row up to its end has one kernel in both.
+    end = blocks * ALIGN
+    a, b = kernels(a_end, a_replies), kernels(b_end, b_replies)
+    alike = rows(a_end, a_replies, end) == rows(b_end, b_replies, end)
+    assert (a.before(end) == b.before(end)) == alike
+
+
+def test_rows_key_never_names_state_as_fast_mode_does():
+    space = IdentityKey(model_id="m", model_digest="d", stage_id="s", stage_index=0, layer_start=0,
+                        layer_end=30, runtime_abi="r", type_k="f16", type_v="f16", flash_attn=True,
+                        kv_unified=True, ctx_size=8192)
+    assert rows_key(space, ()) != space
+    assert rows_key(space, (64,)) != rows_key(space, (128,)) != rows_key(space, ())

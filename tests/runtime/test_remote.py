@@ -15,6 +15,7 @@ import pytest
 from fastmode import assert_logits_close
 from prompts import make_tokens
 
+from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
 from skippy_cache.runtime import Engine, EngineConfig, GenerationRequest
 from skippy_cache.runtime.remote import RemoteConfig
 
@@ -23,10 +24,11 @@ pytestmark = pytest.mark.timeout(600)
 CHUNK = 256
 
 
-def replica(url: str, **remote: object) -> Engine:
+def replica(url: str, *, deterministic: bool = False, **remote: object) -> Engine:
     config = RemoteConfig(url=url, retry_s=0.2, **remote)  # type: ignore[arg-type]
     return Engine(EngineConfig(ctx_size=4096, lanes=2, host_cache_bytes=1 << 30, cache_dir=None,
-                               chunk_tokens=CHUNK, remote=config, deterministic=False, check_invariants=True))
+                               chunk_tokens=CHUNK, remote=config, deterministic=deterministic,
+                               check_invariants=True))
 
 
 @pytest.fixture
@@ -149,15 +151,29 @@ def test_a_server_that_is_not_there_costs_no_request():
         engine.close(drain=False)
 
 
-def test_deterministic_mode_has_a_store_but_no_shared_tier(redis_server):
-    # A chunk found by name does not say which kernels computed its rows.
-    engine = Engine(EngineConfig(ctx_size=1024, lanes=1, host_cache_bytes=64 << 20, cache_dir=None,
-                                 remote=RemoteConfig(url=redis_server.url), deterministic=True), start=False)
+def test_deterministic_replicas_share_a_prefix_bit_for_bit(redis_server):
+    # A chunk's name says which kernel computed each of its rows (exact.py): what one
+    # replica computed, another restores, and its output equals a cold run's exactly.
+    a, b = (replica(redis_server.url, deterministic=True) for _ in range(2))
+    cold = Engine(EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=True,
+                               cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
     try:
-        assert engine.cache.store is not None and engine.cache.store.remote is None
-        assert engine.info.store_note is not None and "kernels" in engine.info.store_note
+        prompt = make_tokens(a, 700, seed=5)
+        first = ask(a, prompt)
+        shared(a)
+        # Its last whole block ends at 640: the two tiled chunks of 256 serve, the rest is prefilled.
+        other = prompt[:600] + make_tokens(a, 100, seed=6)
+        partial, reference = ask(b, other), ask(cold, other)
+        assert (partial.stats.cache_source, partial.stats.cached_tokens) == ("remote", 2 * CHUNK)
+        assert np.array_equal(partial.first_logits, reference.first_logits)
+        assert partial.tokens == reference.tokens
+        repeat = ask(b, prompt)
+        assert (repeat.stats.cache_source, repeat.stats.cached_tokens) == ("remote", len(prompt))
+        assert np.array_equal(repeat.first_logits, first.first_logits)
+        assert b.stats().placement.unaligned_steps == 0
     finally:
-        engine.close(drain=False)
+        for engine in (a, b, cold):
+            engine.close(drain=False)
 
 
 def test_auth_in_the_url(redis_with_password):

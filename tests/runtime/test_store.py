@@ -308,6 +308,58 @@ def test_deterministic_mode_restores_from_the_store_bit_for_bit() -> None:
         cold.close()
 
 
+def test_deterministic_mode_restores_chunks_written_before_a_restart_bit_for_bit(tmp_path: Path) -> None:
+    # Found by name: each chunk's name says which kernel computed its rows (exact.py).
+    first = Engine(config(tmp_path, deterministic=True))
+    system = make_tokens(first, 600, seed=70)
+    prompt = system + make_tokens(first, 20, seed=71)
+    try:
+        cold_first = run(first, prompt)
+        assert run(first, prompt).stats.cached_tokens == len(prompt)  # reused: its chunks go to disk
+        persist(first)
+    finally:
+        first.close()
+    second = Engine(config(tmp_path, deterministic=True))
+    cold = Engine(config(None, deterministic=True, cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    try:
+        # Its last whole block ends at 768: the four tiled chunks of 128 serve, the rest is prefilled.
+        other = system + make_tokens(second, 200, seed=72)
+        on, off = run(second, other, max_tokens=8), run(cold, other, max_tokens=8)
+        assert (on.stats.cache_source, on.stats.cached_tokens) == ("disk", 4 * CHUNK)
+        diff = float(np.abs(on.first_logits - off.first_logits).max())
+        assert diff == 0.0, f"logits differ by {diff}"
+        assert on.tokens == off.tokens
+        again = run(second, prompt)
+        assert (again.stats.cache_source, again.stats.cached_tokens) == ("disk", len(prompt))
+        assert np.array_equal(again.first_logits, cold_first.first_logits)
+        assert second.stats().placement.unaligned_steps == 0
+        assert second.invariant_failures == []
+    finally:
+        second.close()
+        cold.close()
+
+
+def test_deterministic_chunk_names_tell_rows_computed_one_at_a_time_from_tiled_ones() -> None:
+    # A's reply is computed one token at a time; B resends it unmarked, so B's cold run tiles those
+    # rows. A's finished entry holds them in its second chunk: found by name, it would serve B wrongly.
+    warm = Engine(config(None, deterministic=True))
+    cold = Engine(config(None, deterministic=True, cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    try:
+        a = make_tokens(warm, 250, seed=75)
+        reply = run(warm, a, max_tokens=40).tokens
+        demote_unpinned(warm)
+        b = a + list(reply) + make_tokens(warm, 100, seed=76)
+        on, off = run(warm, b, max_tokens=8), run(cold, b, max_tokens=8)
+        # A's rows are tiled up to its last whole block (192) in both runs: that much is reused.
+        assert (on.stats.cache_source, on.stats.cached_tokens) == ("ram", 192)
+        diff = float(np.abs(on.first_logits - off.first_logits).max())
+        assert diff == 0.0, f"logits differ by {diff}"
+        assert on.tokens == off.tokens
+    finally:
+        warm.close()
+        cold.close()
+
+
 def test_without_a_store_idle_entries_stay_resident() -> None:
     engine = Engine(config(None, host_cache_bytes=0, lanes=2))
     try:

@@ -116,8 +116,7 @@ PROMPT = "Restart test. " + " ".join(f"Clause {i} of the agreement binds the par
 
 @pytest.mark.model
 def test_reused_prefixes_survive_sigkill_and_a_second_server_on_the_dir_is_refused(tmp_path: Path) -> None:
-    # Fast mode: exact mode finds stored entries through its own index only, so a restart starts cold.
-    args = ("--ctx-size", "2048", "--cache-dir", str(tmp_path), "--fast")
+    args = ("--ctx-size", "2048", "--cache-dir", str(tmp_path))
     first = Served(*args, env=clean_env())
     try:
         first.wait_ready()
@@ -193,7 +192,7 @@ def test_two_servers_on_one_redis_share_a_prefix(tmp_path: Path, redis_with_pass
     password_file = tmp_path / "redis-password"
     password_file.write_text("s3cret-pw\n")
     bare = redis_with_password.url.replace(":s3cret-pw@", "")
-    common = ("--ctx-size", "2048", "--cache-dir", "none", "--fast")
+    common = ("--ctx-size", "2048", "--cache-dir", "none")
     first = Served(*common, "--remote-cache", redis_with_password.url, env=clean_env())
     second = Served(*common, "--remote-cache", bare, "--remote-cache-password-file", str(password_file),
                     env=clean_env())

@@ -58,33 +58,28 @@ def test_store_options(tmp_path: Path) -> None:
 
 def test_shared_tier_options(tmp_path: Path) -> None:
     assert settings([]).engine_config().remote is None  # off by default: no server to start
-    s = settings(["--fast", "--remote-cache", "redis://cache:6379/2", "--remote-cache-ttl", "600",
+    s = settings(["--remote-cache", "redis://cache:6379/2", "--remote-cache-ttl", "600",
                   "--remote-cache-timeout-ms", "20"])
     remote = s.engine_config().remote
     assert remote is not None
     assert (remote.url, remote.ttl_s, remote.timeout_ms, remote.password) == ("redis://cache:6379/2", 600, 20, None)
     password = tmp_path / "pw"
     password.write_text("hunter2\nignored\n")
-    env = {"SKIPPY_FAST": "1", "SKIPPY_REMOTE_CACHE": "rediss://cache:6380/0",
-           "SKIPPY_REMOTE_CACHE_PASSWORD_FILE": str(password)}
+    env = {"SKIPPY_REMOTE_CACHE": "rediss://cache:6380/0", "SKIPPY_REMOTE_CACHE_PASSWORD_FILE": str(password)}
     remote = settings([], env).engine_config().remote
     assert remote is not None and (remote.url, remote.password) == ("rediss://cache:6380/0", "hunter2")
-    path = write(tmp_path, "fast = true\nremote_cache = 'unix:///run/redis.sock'\nremote_cache_ttl = 60\n")
+    path = write(tmp_path, "remote_cache = 'unix:///run/redis.sock'\nremote_cache_ttl = 60\n")
     remote = settings(["--config", str(path)]).engine_config().remote
     assert remote is not None and (remote.url, remote.ttl_s) == ("unix:///run/redis.sock", 60)
     assert settings(["--remote-cache", "none"]).remote_cache is None
     # A URL with a password in it never shows in a message or a repr.
     with pytest.raises(SettingsError, match="redis://, rediss:// or unix://") as raised:
-        settings(["--fast", "--remote-cache", "http://user:hunter2@cache:6379"])
+        settings(["--remote-cache", "http://user:hunter2@cache:6379"])
     assert "hunter2" not in str(raised.value)
-    assert "hunter2" not in repr(settings(["--fast", "--remote-cache", "redis://u:hunter2@cache:6379/0"]))
-    missing = settings(["--fast", "--remote-cache", "redis://c:1/0",
-                        "--remote-cache-password-file", str(tmp_path / "no")])
+    assert "hunter2" not in repr(settings(["--remote-cache", "redis://u:hunter2@cache:6379/0"]))
+    missing = settings(["--remote-cache", "redis://c:1/0", "--remote-cache-password-file", str(tmp_path / "no")])
     with pytest.raises(SettingsError, match="--remote-cache-password-file"):
         missing.engine_config()
-    # Exact mode restores only what its own process stored: asking it for a shared tier is an error.
-    with pytest.raises(SettingsError, match="--remote-cache needs --fast"):
-        settings(["--remote-cache", "redis://cache:6379/2"])
 
 
 def test_cli_options_map_to_settings() -> None:

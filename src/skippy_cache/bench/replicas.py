@@ -183,8 +183,8 @@ def replica_command(
 ) -> list[str]:
     """The bench's own skippy-cache command (no disk tier), with the configuration's threads and tier.
 
-    Fast mode in every configuration: the shared tier needs it (exact mode restores only what its
-    own process stored), and the configurations differ in their tiers alone.
+    Fast mode in every configuration, as the README's figures were measured; the configurations
+    differ in their tiers alone.
     """
     command = server_command(_KIND, port, model, ctx_size)
     command += ["--fast", "--threads", str(configuration.threads)]

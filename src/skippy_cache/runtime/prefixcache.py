@@ -38,6 +38,7 @@ import numpy as np
 from blake3 import blake3
 
 from skippy_cache.config import PrefixCandidatePolicy, StageKvCacheMode
+from skippy_cache.exact import Kernels, rows_key
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities, prefix_identity
 from skippy_cache.misses import MissBook, age_bucket, lengths
 from skippy_cache.resident import ResidentCacheError, ResidentEviction
@@ -157,9 +158,10 @@ class PrefixCache:
         if not ((self.mode.looks_up and request.lookup) or (self.mode.records and request.record)):
             return  # nothing to look up or record: no hashing
         if len(request.tokens) >= max(self.tiers.min_tokens, 1):
-            lane.prompt_identity = self._whole_identity(request)
-            if self.store is not None and not self.deterministic:
-                lane.chunk_ids = self.store.chunk_identities(lane.space, request.tokens[: lane.prefill_end])
+            kernels = lane.kernels if self.deterministic else None
+            lane.prompt_identity = self._whole_identity(request, kernels)
+            if self.store is not None:
+                lane.chunk_ids = self.store.chunk_identities(lane.space, request.tokens[: lane.prefill_end], kernels)
 
     @property
     def shares(self) -> bool:
@@ -369,7 +371,8 @@ class PrefixCache:
         resident = self.tiers.resident
         if request is None:
             return resident.unpin_all()
-        return int(resident.unpin(self._whole_identity(request).page_id))
+        kernels = Lane.for_lookup(request).kernels if self.deterministic else None
+        return int(resident.unpin(self._whole_identity(request, kernels).page_id))
 
     # -- the pool's cells ------------------------------------------------------------
 
@@ -473,9 +476,16 @@ class PrefixCache:
         at = lengths(len(tokens), self.policy.grid_tokens)
         return {n: identity.page_id for n, identity in prefix_identities(space, tokens, at).items()}
 
-    def _whole_identity(self, request: GenerationRequest) -> PrefixIdentity:
-        """The identity of the request's whole prompt as an entry (with its first-token logits)."""
-        return prefix_identity(self._whole_prompt_key.with_namespace(request.namespace), request.tokens)
+    def _whole_identity(self, request: GenerationRequest, kernels: Kernels | None) -> PrefixIdentity:
+        """The identity of the request's whole prompt as an entry (with its first-token logits).
+
+        With `kernels` (deterministic mode) it also says which kernel computed
+        each row: the same tokens sent with other replies marked are another entry.
+        """
+        key = self._whole_prompt_key.with_namespace(request.namespace)
+        if kernels is not None:
+            key = rows_key(key, kernels.bounds)
+        return prefix_identity(key, request.tokens)
 
     def _restore(self, hit: Hit, lane: Lane) -> Hit | bool | None:
         """Restore the hit from the store onto the lane's empty sequence; the hit as restored.
@@ -529,13 +539,10 @@ class PrefixCache:
         if store is None or page_id in store or page_id not in self._entries:
             return
         space, tokens = self._entries[page_id]
-        if self.deterministic:
-            # Chunks are named by their tokens; rows computed by other kernels must not share a name.
-            assert isinstance(space, IdentityKey)
-            space = replace(space, extra=space.extra + (("kernels", repr(self.tiers.kernels[page_id].bounds)),))
         logits = self.tiers.logits.get(page_id)
         queued = store.put(page_id, space, tokens, self.pool.export(seq_id),
-                           logits.tobytes() if logits is not None else None, durable=page_id in self._reused)
+                           logits.tobytes() if logits is not None else None, durable=page_id in self._reused,
+                           kernels=self.tiers.kernels.get(page_id))
         if queued:
             self.counters.demotions += 1
         else:

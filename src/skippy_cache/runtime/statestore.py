@@ -44,6 +44,7 @@ import numpy as np
 from skippy_cache.chunks import Chunk, ChunkError, chunk_key, seal, tail_key, unseal
 from skippy_cache.chunkstore import ChunkStore, Tier, slower
 from skippy_cache.diskchunks import DiskChunks
+from skippy_cache.exact import Kernels, rows_key
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities
 from skippy_cache.placement import ALIGN
 from skippy_cache.runtime.info import EngineConfig, default_host_cache_bytes
@@ -123,13 +124,29 @@ class StateStore:
 
     # -- names -------------------------------------------------------------------------
 
-    def chunk_identities(self, space: IdentityKey, tokens: Sequence[int]) -> tuple[PrefixIdentity, ...]:
-        """The identities that name the chunks of `tokens`: at every multiple of C up to their length."""
+    def chunk_identities(
+        self, space: IdentityKey, tokens: Sequence[int], kernels: Kernels | None = None
+    ) -> tuple[PrefixIdentity, ...]:
+        """The identities that name the chunks of `tokens`: at every multiple of C up to their length.
+
+        With `kernels` (deterministic mode) each name also says which kernel
+        computed every row up to the chunk's end (exact.py), so a chunk found by
+        name is exact for the prompt that asks for it.
+        """
         lengths = list(range(self.chunk_tokens, len(tokens) + 1, self.chunk_tokens))
         if not lengths:
             return ()
-        ids = prefix_identities(space, tokens, lengths)
-        return tuple(ids[n] for n in lengths)
+        if kernels is None:
+            ids = prefix_identities(space, tokens, lengths)
+            return tuple(ids[n] for n in lengths)
+        # One hash chain per distinct set of bounds: a prompt has a few (its replies, its tiled end).
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for n in lengths:
+            groups.setdefault(kernels.before(n), []).append(n)
+        named: dict[int, PrefixIdentity] = {}
+        for bounds, ends in groups.items():
+            named.update(prefix_identities(rows_key(space, bounds), tokens[: ends[-1]], ends))
+        return tuple(named[n] for n in lengths)
 
     def _chunk_keys(self, ids: Sequence[PrefixIdentity]) -> list[str]:
         return [chunk_key(i.page_id, self.layout_id) for i in ids]
@@ -149,13 +166,14 @@ class StateStore:
         logits: bytes | None,
         *,
         durable: bool,
+        kernels: Kernels | None = None,
     ) -> bool:
         """Queue an entry's exported state for the writer (`durable`: to disk too); False when the writer
-        is too far behind."""
+        is too far behind. `kernels`: those of the prompt that computed it (deterministic mode)."""
         n = len(tokens)
         assert isinstance(space, IdentityKey)
         n_chunks = (n - 1) // self.chunk_tokens
-        ids = self.chunk_identities(space, tokens[: n_chunks * self.chunk_tokens])
+        ids = self.chunk_identities(space, tokens[: n_chunks * self.chunk_tokens], kernels)
         page = Page(n, tuple(self._chunk_keys(ids)), tail_key(page_id, self.layout_id), logits, durable)
         with self._cv:
             if self._pending_bytes + len(payload) > self.max_pending_bytes:
@@ -509,10 +527,7 @@ def open_store(config: EngineConfig, warm_state: bytes | bytearray) -> tuple[Sta
         disk = DiskChunks(config.cache_dir, config.disk_cache_bytes, reserve_bytes=config.disk_reserve_bytes)
     remote = None
     note = None
-    if config.remote is not None and config.deterministic:
-        note = _no_remote(config, "deterministic mode restores only the entries this process stored: a chunk "
-                                  "found by name does not say which kernels computed its rows")
-    elif config.remote is not None and ram <= 0:
+    if config.remote is not None and ram <= 0:
         # Chunks from the shared tier land in RAM before a restore reads them.
         note = _no_remote(config, "it needs the RAM tier (--host-cache-mib > 0)")
     elif config.remote is not None:

@@ -465,9 +465,6 @@ def build_settings(values: Mapping[str, object]) -> ServerSettings:
     top = {k: v for k, v in values.items() if not k.startswith("cache.")}
     cache = {k.removeprefix("cache."): v for k, v in values.items() if k.startswith("cache.")}
     settings = ServerSettings(**top)  # type: ignore[arg-type]
-    if settings.remote_cache is not None and not settings.fast:
-        # A chunk found by name does not say which kernels computed its rows (exact.py).
-        raise SettingsError("--remote-cache needs --fast: exact mode restores only what this process stored")
     if cache:
         settings = dataclasses.replace(settings, cache=dataclasses.replace(settings.cache, **cache))
     return settings
