@@ -255,11 +255,7 @@ class CacheTiers:
         # Any leading part of an entry is exact state for those tokens (attention is causal).
         match = self.index.longest(query.space, query.tokens, prefer=self.resident, min_length=self.min_tokens)
         if match is not None:
-            length, source = match.length, Source.RESIDENT
-            if match.page_id not in self.resident:
-                assert self.store is not None, f"page {match.page_id} indexed but held nowhere"
-                available, source = self.store.available(match.page_id)
-                length = min(length, available)
+            length, source = self._held(match.page_id, match.length)
             if length >= self.min_tokens:
                 best = Hit(source, match.page_id, length, reuse_why(length, len(query.tokens)))
         found = self._named(query)
@@ -276,16 +272,11 @@ class CacheTiers:
         best: tuple[int, bool, int, PageId, Source] | None = None
         shared = 0
         for match in self.index.matches(query.space, query.tokens, min_length=self.min_tokens):
-            entry = self.resident.peek(match.page_id)
-            length, source = match.length, Source.RESIDENT
-            if entry is None:
-                assert self.store is not None, f"page {match.page_id} indexed but held nowhere"
-                available, source = self.store.available(match.page_id)
-                length = min(length, available)
+            length, source = self._held(match.page_id, match.length)
             shared = max(shared, length)
             length = exact_length(length, self.kernels[match.page_id], kernels)
             size = self.index.token_count(match.page_id) or 0
-            key = (-length, entry is None, size, match.page_id, source)
+            key = (-length, source is not Source.RESIDENT, size, match.page_id, source)
             best = key if best is None else min(best, key)
         found = self._named(query)
         if found.length >= max(self.min_tokens, 1) and (best is None or found.length > -best[0]):
@@ -295,6 +286,14 @@ class CacheTiers:
         length = -best[0]
         why = reuse_why(length, len(query.tokens)) if length == shared else Why.GRID
         return Hit(best[4], best[3], length, why)
+
+    def _held(self, page_id: PageId, length: int) -> tuple[int, Source]:
+        """How many of an indexed page's first `length` tokens a tier holds, and which tier."""
+        if page_id in self.resident:
+            return length, Source.RESIDENT
+        assert self.store is not None, f"page {page_id} indexed but held nowhere"
+        available, source = self.store.available(page_id)
+        return min(length, available), source
 
     def _named(self, query: Query) -> Hit:
         """The run of the prompt's chunks the store holds by name (written before a restart, or by

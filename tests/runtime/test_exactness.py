@@ -12,6 +12,7 @@ not asserted here.
 from __future__ import annotations
 
 import numpy as np
+from exactmode import assert_bit_exact
 from prompts import make_tokens
 
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
@@ -32,13 +33,6 @@ def test_full_repeat_gives_bit_identical_first_token(fast_engine):
         f"max |diff| {np.abs(cold.first_logits - warm.first_logits).max()}"
     )
     assert warm.tokens[0] == cold.tokens[0]
-
-
-def assert_bit_exact(on, off, what: str) -> None:
-    """A cache-on run's first-token logits and greedy text equal the cache-off run's, bit for bit."""
-    diff = float(np.abs(on.first_logits - off.first_logits).max())
-    assert diff == 0.0, f"{what} ({on.stats.cached_tokens} cached): logits differ by {diff}"
-    assert on.tokens == off.tokens, f"{what}: greedy text differs"
 
 
 def _suite(engine) -> list[list[int]]:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from exactmode import assert_bit_exact
 from fastmode import assert_logits_close
 from prompts import make_tokens
 
@@ -35,6 +37,23 @@ def config(cache_dir: Path | None, **overrides: object) -> EngineConfig:
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory):
     engine = Engine(config(tmp_path_factory.mktemp("store")))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def warm_exact() -> Iterator[Engine]:
+    """Deterministic mode with the store: entries it demotes come back bit for bit."""
+    engine = Engine(config(None, deterministic=True))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def cold_exact() -> Iterator[Engine]:
+    """Deterministic mode with the cache off: the reference for cache-on output."""
+    off = StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)
+    engine = Engine(config(None, deterministic=True, cache=off))
     yield engine
     engine.close()
 
@@ -276,39 +295,36 @@ def test_a_full_disk_never_fails_a_request(tmp_path: Path) -> None:
         engine.close()
 
 
-def test_deterministic_mode_restores_from_the_store_bit_for_bit() -> None:
+def test_deterministic_mode_restores_from_the_store_bit_for_bit(
+    warm_exact: Engine, cold_exact: Engine
+) -> None:
     # Deterministic mode demotes entries only when their cells are needed (here: all
     # but the pins, as pressure would); a later hit restores them onto cells on the
     # block grid, and the output equals a cold run's bit for bit.
-    warm = Engine(config(None, deterministic=True))
-    cold = Engine(config(None, deterministic=True, cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
-    try:
-        system = make_tokens(warm, 600, seed=90)
-        # Tails that end the last whole block at 576 (reusing all 600) and at 768 (reusing 576,
-        # then tiled blocks over the restored cells).
-        prompts = [system + make_tokens(warm, n, seed=91 + i) for i, n in enumerate((20, 27, 200))]
-        first = run(warm, prompts[0], max_tokens=8)
-        for i, prompt in enumerate(prompts[1:] + [prompts[0]], start=1):
-            demote_unpinned(warm)
-            # A pinned 70-token entry decoded now leaves the allocator's next free cell off
-            # the block grid: a restore put there would not compute as the cold run did.
-            warm.generate(GenerationRequest(tokens=make_tokens(warm, 70, seed=80 + i), max_tokens=1, pin=True))
-            on = run(warm, prompt, max_tokens=8)
-            off = run(cold, prompt, max_tokens=8)
-            assert on.stats.cache_source == "ram", f"prompt {i}: {on.stats.cache_source}"
-            assert on.stats.cached_tokens >= 576
-            diff = float(np.abs(on.first_logits - off.first_logits).max())
-            assert diff == 0.0, f"prompt {i} ({on.stats.cached_tokens} cached): logits differ by {diff}"
-            assert on.tokens == off.tokens, f"prompt {i}: greedy text differs"
-        assert on.tokens == first.tokens  # the first prompt again, restored whole
-        assert warm.stats().placement.unaligned_steps == 0
-        assert warm.invariant_failures == []
-    finally:
-        warm.close()
-        cold.close()
+    warm = warm_exact
+    system = make_tokens(warm, 600, seed=90)
+    # Tails that end the last whole block at 576 (reusing all 600) and at 768 (reusing 576,
+    # then tiled blocks over the restored cells).
+    prompts = [system + make_tokens(warm, n, seed=91 + i) for i, n in enumerate((20, 27, 200))]
+    first = run(warm, prompts[0], max_tokens=8)
+    for i, prompt in enumerate(prompts[1:] + [prompts[0]], start=1):
+        demote_unpinned(warm)
+        # A pinned 70-token entry decoded now leaves the allocator's next free cell off
+        # the block grid: a restore put there would not compute as the cold run did.
+        warm.generate(GenerationRequest(tokens=make_tokens(warm, 70, seed=80 + i), max_tokens=1, pin=True))
+        on = run(warm, prompt, max_tokens=8)
+        off = run(cold_exact, prompt, max_tokens=8)
+        assert on.stats.cache_source == "ram", f"prompt {i}: {on.stats.cache_source}"
+        assert on.stats.cached_tokens >= 576
+        assert_bit_exact(on, off, f"prompt {i}")
+    assert on.tokens == first.tokens  # the first prompt again, restored whole
+    assert warm.stats().placement.unaligned_steps == 0
+    assert warm.invariant_failures == []
 
 
-def test_deterministic_mode_restores_chunks_written_before_a_restart_bit_for_bit(tmp_path: Path) -> None:
+def test_deterministic_mode_restores_chunks_written_before_a_restart_bit_for_bit(
+    tmp_path: Path, cold_exact: Engine
+) -> None:
     # Found by name: each chunk's name says which kernel computed its rows (exact.py).
     first = Engine(config(tmp_path, deterministic=True))
     system = make_tokens(first, 600, seed=70)
@@ -320,15 +336,12 @@ def test_deterministic_mode_restores_chunks_written_before_a_restart_bit_for_bit
     finally:
         first.close()
     second = Engine(config(tmp_path, deterministic=True))
-    cold = Engine(config(None, deterministic=True, cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
     try:
         # Its last whole block ends at 768: the four tiled chunks of 128 serve, the rest is prefilled.
         other = system + make_tokens(second, 200, seed=72)
-        on, off = run(second, other, max_tokens=8), run(cold, other, max_tokens=8)
+        on, off = run(second, other, max_tokens=8), run(cold_exact, other, max_tokens=8)
         assert (on.stats.cache_source, on.stats.cached_tokens) == ("disk", 4 * CHUNK)
-        diff = float(np.abs(on.first_logits - off.first_logits).max())
-        assert diff == 0.0, f"logits differ by {diff}"
-        assert on.tokens == off.tokens
+        assert_bit_exact(on, off, "a prompt restored by chunk names")
         again = run(second, prompt)
         assert (again.stats.cache_source, again.stats.cached_tokens) == ("disk", len(prompt))
         assert np.array_equal(again.first_logits, cold_first.first_logits)
@@ -336,28 +349,21 @@ def test_deterministic_mode_restores_chunks_written_before_a_restart_bit_for_bit
         assert second.invariant_failures == []
     finally:
         second.close()
-        cold.close()
 
 
-def test_deterministic_chunk_names_tell_rows_computed_one_at_a_time_from_tiled_ones() -> None:
+def test_deterministic_chunk_names_tell_rows_computed_one_at_a_time_from_tiled_ones(
+    warm_exact: Engine, cold_exact: Engine
+) -> None:
     # A's reply is computed one token at a time; B resends it unmarked, so B's cold run tiles those
     # rows. A's finished entry holds them in its second chunk: found by name, it would serve B wrongly.
-    warm = Engine(config(None, deterministic=True))
-    cold = Engine(config(None, deterministic=True, cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
-    try:
-        a = make_tokens(warm, 250, seed=75)
-        reply = run(warm, a, max_tokens=40).tokens
-        demote_unpinned(warm)
-        b = a + list(reply) + make_tokens(warm, 100, seed=76)
-        on, off = run(warm, b, max_tokens=8), run(cold, b, max_tokens=8)
-        # A's rows are tiled up to its last whole block (192) in both runs: that much is reused.
-        assert (on.stats.cache_source, on.stats.cached_tokens) == ("ram", 192)
-        diff = float(np.abs(on.first_logits - off.first_logits).max())
-        assert diff == 0.0, f"logits differ by {diff}"
-        assert on.tokens == off.tokens
-    finally:
-        warm.close()
-        cold.close()
+    a = make_tokens(warm_exact, 250, seed=75)
+    reply = run(warm_exact, a, max_tokens=40).tokens
+    demote_unpinned(warm_exact)
+    b = a + list(reply) + make_tokens(warm_exact, 100, seed=76)
+    on, off = run(warm_exact, b, max_tokens=8), run(cold_exact, b, max_tokens=8)
+    # A's rows are tiled up to its last whole block (192) in both runs: that much is reused.
+    assert (on.stats.cache_source, on.stats.cached_tokens) == ("ram", 192)
+    assert_bit_exact(on, off, "a prompt that tiles another's reply")
 
 
 def test_without_a_store_idle_entries_stay_resident() -> None:

@@ -100,11 +100,7 @@ class AlignedPlacement:
         False when it cannot: the caller then prefills instead (a restore
         refused is counted as a miss for want of room, not as an unaligned step).
         """
-        cells = self.pool.cells
-        while (target := aligned_target(cells, cells.last_cell(seq_id), 0, n_cells)) is None:
-            if not evict_one():
-                return False
-        return self._pad_until(lambda: pad_needed(cells, target, n_cells))
+        return self._land_import(n_cells, 0, evict_one)
 
     def clear_pads(self) -> None:
         if self.pool.cells.seq_len(self.pad_seq):
@@ -144,14 +140,10 @@ class AlignedPlacement:
         position order, on the grid, so every later row computes as it would
         have where the lane was.
         """
-        cells = self.pool.cells
-        n = cells.seq_len(seq_id)
+        n = self.pool.cells.seq_len(seq_id)
         state = self.pool.export(seq_id)
         self.pool.free(seq_id)
-        while (target := aligned_target(cells, -1, 0, n + room)) is None:
-            if not evict_one():
-                break
-        placed = target is not None and self._pad_until(lambda: pad_needed(cells, target, n))
+        placed = self._land_import(n, room, evict_one)
         while not self.pool.restore(seq_id, state, n):
             # The lane's own cells were freed, but cells it shared stay held by entries.
             self.clear_pads()
@@ -160,6 +152,16 @@ class AlignedPlacement:
         self.clear_pads()
         self.stats.relocations += 1
         return placed
+
+    def _land_import(self, n_cells: int, room: int, evict_one: Callable[[], bool]) -> bool:
+        """Pad so that positions [0, n_cells) imported onto an empty sequence land on the lowest
+        aligned run of free cells with `room` more free after it, evicting entries until there is
+        one; False if there is none even then."""
+        cells = self.pool.cells
+        while (target := aligned_target(cells, -1, 0, n_cells + room)) is None:
+            if not evict_one():
+                return False
+        return self._pad_until(lambda: pad_needed(cells, target, n_cells))
 
     def _pad_until(self, needed: Callable[[], int | None]) -> bool:
         for _ in range(_PAD_ROUNDS):
