@@ -102,6 +102,12 @@ class CellMap:
     def free_cells(self) -> int:
         return self.n_cells - self._used
 
+    @property
+    def view(self) -> int:
+        """One past the highest used cell (llama.cpp's `used_max_p1`): how wide every step's KV view is."""
+        used = np.flatnonzero(self._holders)
+        return int(used[-1]) + 1 if len(used) else 0
+
     def is_free(self, cell: int) -> bool:
         return bool(self._holders[cell] == 0)
 

@@ -5,9 +5,33 @@ grid length, so if every chunk ends on a multiple of the record grid, the warm
 run's chunks end where the cold run's do from that point on. Measured on
 llama.cpp's CPU kernels (EXACTNESS.md): suffixes prefilled in grid-aligned
 chunks give bit-identical logits; a suffix in one unaligned chunk does not.
+
+How large a chunk is also decides its cost per token: see `step_rows`.
 """
 
 from __future__ import annotations
+
+#: Rows x KV cells of a step's attention mask up to which the largest step is the cheapest per row.
+MASK_CELLS = 512 * 2048
+#: The smallest step `step_rows` gives: two 64-row blocks (a step of 64 rows or more stays tiled).
+MIN_STEP_ROWS = 128
+
+
+def step_rows(view: int, capacity: int) -> int:
+    """The most prompt rows one step should hold when the pool's KV view is `view` cells wide.
+
+    llama.cpp's CPU flash attention reads the step's mask (rows x view cells,
+    the view running from cell 0 to the highest used cell, masked cells
+    included) for every head of every layer. Once that mask falls out of the
+    CPU's caches a large step costs more per row than a few small ones: on a
+    wide view (a pool full of cached entries) a prompt prefills faster in
+    128-row steps than in 512-row ones, and on a narrow view the largest step
+    is still the fastest. The result is a multiple of 64, so chunks keep to
+    the block grid.
+    """
+    rows = MASK_CELLS // max(view, 1)
+    rows -= rows % 64
+    return max(min(rows, capacity), min(MIN_STEP_ROWS, capacity))
 
 
 def next_chunk_end(n_past: int, prefill_end: int, budget: int, grid: int, *, must_progress: bool) -> int:

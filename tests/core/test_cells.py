@@ -27,6 +27,18 @@ def test_empty_map() -> None:
     cells.check_invariants()
 
 
+def test_view_runs_to_the_highest_used_cell() -> None:
+    # llama.cpp's KV view spans every cell up to the highest used one, free cells below it included.
+    cells = CellMap(4096)
+    assert cells.view == 0
+    cells.decode([(LANE0, 0, 300), (LANE1, 0, 200)])
+    assert cells.view == 500
+    cells.seq_rm(LANE0)
+    assert cells.view == 500
+    cells.seq_rm(LANE1)
+    assert cells.view == 0
+
+
 def test_seq_cp_shares_cells() -> None:
     cells = CellMap(4096)
     cells.decode([(LANE0, 0, 300)])

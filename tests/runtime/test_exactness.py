@@ -15,6 +15,7 @@ import numpy as np
 from exactmode import assert_bit_exact
 from prompts import make_tokens
 
+from skippy_cache.prefill import step_rows
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
 
 
@@ -69,6 +70,23 @@ def test_partial_hits_match_cache_off_bit_for_bit(exact_engine, cold_engine):
     assert on.stats.cached_tokens == len(prompts[7])
     assert exact_engine.stats().placement.unaligned_steps == 0
     assert not exact_engine.invariant_failures
+
+
+def test_a_prompt_prefilled_on_a_wide_view_matches_one_on_an_empty_pool(exact_engine, cold_engine):
+    # On a wide KV view a step holds fewer rows (prefill.step_rows), so this prompt's
+    # whole blocks are tiled in other chunk sizes than the cold run's on an empty pool.
+    exact_engine.clear_cache()
+    for k in range(3):
+        exact_engine.generate(GenerationRequest(tokens=make_tokens(exact_engine, 1000, seed=400 + k), max_tokens=1))
+    view = exact_engine.call(lambda: exact_engine.pool.cells.view)
+    assert step_rows(view, 512) < 512, f"a view of {view} cells is not wide enough to change the steps"
+    request = GenerationRequest(tokens=make_tokens(exact_engine, 1100, seed=410), max_tokens=16,
+                                keep_first_logits=True)
+    on = exact_engine.generate(request)
+    off = cold_engine.generate(request)
+    assert on.stats.cached_tokens == 0
+    assert_bit_exact(on, off, "a prompt on a wide view")
+    assert exact_engine.stats().placement.unaligned_steps == 0
 
 
 def test_concurrent_requests_match_cache_off_one_at_a_time_bit_for_bit(exact_engine, cold_engine):

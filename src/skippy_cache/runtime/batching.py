@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from skippy_cache.placement import ALIGN
-from skippy_cache.prefill import next_chunk_end
+from skippy_cache.prefill import next_chunk_end, step_rows
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch
 
@@ -39,14 +39,15 @@ class BatchBuilder:
       that first token would otherwise wait for another lane's whole prefill
       chunk, which takes hundreds of times as long as a decode step;
     - a prefill step: chunks, short remaining prefills first, then in arrival
-      order. The first chunk may fill the batch; further lanes join only while
+      order. The first chunk may fill the step (the batch, or fewer rows when
+      the KV view is wide: `step_rows`); further lanes join only while
       the step holds fewer than `fill_tokens` tokens. Past that size a CPU
       matmul costs no less per token, so a larger step only makes the lanes
       ahead wait for the tokens of the lanes behind them.
 
     Deterministic mode computes each row with the kernel the request fixes
     (`Lane.kernels`, exact.py): a span of tiled rows (whole 64-token blocks) in
-    chunks as large as the batch, one lane's alone (the tiled kernel's floats
+    chunks as large as a step, one lane's alone (the tiled kernel's floats
     do not depend on the chunk's size when the cells are aligned: steering.py);
     a span of rows computed one at a time (the prompt's last partial block, a
     resent reply's blocks) in steps of fewer than 64 rows, beside other lanes'
@@ -66,9 +67,11 @@ class BatchBuilder:
         self.needs_pad = False
         self._last_step_prefilled = False
 
-    def fill(self, lanes: list[Lane]) -> list[Planned]:
-        """The runs of this step's batch, in batch order (empty: nothing to decode)."""
+    def fill(self, lanes: list[Lane], view: int) -> list[Planned]:
+        """The runs of this step's batch, in batch order (empty: nothing to decode), for a pool whose
+        KV view is `view` cells wide (`CellMap.view`)."""
         batch = self.batch
+        rows = step_rows(view, batch.capacity)
         batch.clear()
         self.needs_pad = False
         planned: list[Planned] = []
@@ -81,12 +84,12 @@ class BatchBuilder:
             # would take the tiled kernel, and its floats would depend on what else runs.
             prefilling.sort(key=lambda lane: (lane.prefill_end - lane.n_past > self.fill_tokens, lane.t_submit))
             if self.deterministic:
-                planned += self._deterministic_chunks(prefilling)
+                planned += self._deterministic_chunks(prefilling, rows)
                 self._last_step_prefilled = True
                 return self._padded(planned)
             for lane in prefilling:
                 first = not planned
-                budget = batch.capacity - batch.n_tokens if first else self.fill_tokens - batch.n_tokens
+                budget = rows - batch.n_tokens if first else self.fill_tokens - batch.n_tokens
                 if budget <= 0:
                     break
                 end = next_chunk_end(lane.n_past, lane.prefill_end, budget, self.grid, must_progress=first)
@@ -100,7 +103,7 @@ class BatchBuilder:
         self._last_step_prefilled = False
         return self._padded(planned)
 
-    def _deterministic_chunks(self, prefilling: list[Lane]) -> list[Planned]:
+    def _deterministic_chunks(self, prefilling: list[Lane], rows: int) -> list[Planned]:
         """The first lane's next tiled rows alone, or rows that are computed one at a time, of every
         lane that has them next, together while the step stays under 64 rows.
 
@@ -111,7 +114,7 @@ class BatchBuilder:
         lane = prefilling[0]
         if not lane.kernels.row_by_row(lane.n_past):
             span_end = lane.kernels.span_end(lane.n_past, lane.prefill_end)
-            end = next_chunk_end(lane.n_past, span_end, self.batch.capacity, ALIGN, must_progress=True)
+            end = next_chunk_end(lane.n_past, span_end, rows, ALIGN, must_progress=True)
             return [self._add_chunk(lane, end)]
         planned = []
         for lane in prefilling:

@@ -462,7 +462,7 @@ class Engine:
         if self.config.deterministic:
             # Lowest cells first: each run needs only its own lane's cells behind it (steering.py).
             lanes = sorted(lanes, key=lambda lane: self.pool.cells.last_cell(lane.seq_id))
-        planned = self._builder.fill(lanes)
+        planned = self._builder.fill(lanes, self.pool.cells.view)
         if not planned:
             return False
         self._steps += 1
