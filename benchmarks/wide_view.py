@@ -81,6 +81,7 @@ def workload(label: str, fast: bool) -> None:
         systems = [text_tokens(engine, 600, seed=9100 + k) for k in range(8)]
         for i in range(0, 8, 4):
             engine.generate_many([GenerationRequest(tokens=s, max_tokens=1) for s in systems[i : i + 4]])
+        # From the holders, not `CellMap.view`: an older checkout to compare with has no such property.
         view = int(engine.call(lambda: np.flatnonzero(engine.pool.cells.holders).max() + 1))
         traced.clear()
         rate, ttft = zero(engine)
