@@ -71,6 +71,10 @@ CASES = [
      "context_length_exceeded"),
     ("token id out of vocabulary", COMPLETIONS, {"prompt": [1, 10**9]}, 400, "prompt", None),
     ("negative token id", COMPLETIONS, {"prompt": [-3]}, 400, "prompt", None),
+    # echo renders the prompt's tokens: an id outside the vocabulary once aborted the process there.
+    ("echo of a token id out of vocabulary", COMPLETIONS, {"prompt": [1, 10**9], "echo": True}, 400, "prompt",
+     None),
+    ("echo of a negative token id", COMPLETIONS, {"prompt": [-3], "echo": True}, 400, "prompt", None),
     ("stop list too long", COMPLETIONS, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
      None),
     ("stop of wrong type", COMPLETIONS, {"prompt": "x", "stop": 7}, 400, "stop", None),

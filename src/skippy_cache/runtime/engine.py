@@ -72,6 +72,7 @@ from skippy_cache.runtime.requests import (
     RequestHandle,
     RequestStats,
     TokenEvent,
+    check_prompt_tokens,
     validate_request,
 )
 from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
@@ -212,7 +213,12 @@ class Engine:
         return self.model.tokenize(text, add_special=add_special)
 
     def detokenize(self, tokens: list[int]) -> str:
-        """The text of `tokens` (special tokens left out; a split character replaced)."""
+        """The text of `tokens` (special tokens left out; a split character replaced).
+
+        Raises `RequestError` for an id outside the vocabulary: llama.cpp aborts
+        the process on one rather than report it.
+        """
+        check_prompt_tokens(tokens, self.model.n_vocab)
         return b"".join(self.model.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
     def validate(self, request: GenerationRequest) -> None:

@@ -55,13 +55,18 @@ class GenerationRequest:
     replies: tuple[tuple[int, int], ...] = ()
 
 
+def check_prompt_tokens(tokens: list[int], n_vocab: int) -> None:
+    """Raise `RequestError` for a prompt token id outside the vocabulary (llama.cpp aborts on one)."""
+    for token in tokens:
+        if not 0 <= token < n_vocab:
+            raise RequestError(f"token id {token} is outside the vocabulary (0..{n_vocab - 1})", param="prompt")
+
+
 def validate_request(request: GenerationRequest, *, n_vocab: int, n_ctx: int) -> None:
     """Raise `RequestError` for a request that could never run on a context of `n_ctx` cells."""
     if not request.tokens:
         raise RequestError("the prompt is empty", param="prompt")
-    for token in request.tokens:
-        if not 0 <= token < n_vocab:
-            raise RequestError(f"token id {token} is outside the vocabulary (0..{n_vocab - 1})", param="prompt")
+    check_prompt_tokens(request.tokens, n_vocab)
     if request.max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}", param="max_tokens")
     for token, _bias in request.sampling.logit_bias:
