@@ -109,6 +109,21 @@ def test_metrics_parse_and_move(server: LiveServer) -> None:
     assert value(after, "skippy_lanes_total") == server.settings.lanes
 
 
+def test_exact_mode_placement_in_metrics(exact_server: LiveServer) -> None:
+    # Exact mode steers cells onto the grid with imported pads: how much, and whether a step missed it.
+    # The second prompt's blocks cannot start where the first one's cells end: pads fill the gap.
+    for topic in ("placement", "alignment"):
+        prompt = f"{topic} test: " + " ".join(f"line {i} of a preamble long enough to tile." for i in range(24))
+        exact_server.openai().completions.create(model=exact_server.model_id, prompt=prompt, max_tokens=2)
+    samples = exact_server.metrics()
+    with exact_server.http() as http:
+        placement = http.get("/v1/cache").json()["pool"]
+    for name in ("pad_tokens", "unaligned_steps", "relocations"):
+        assert value(samples, f"skippy_placement_{name}_total") == placement[name], name
+    assert value(samples, "skippy_placement_pad_tokens_total") > 0
+    assert value(samples, "skippy_placement_unaligned_steps_total") == 0
+
+
 def test_health(server: LiveServer) -> None:
     with server.http() as http:
         body = http.get("/health").json()

@@ -156,6 +156,17 @@ class EngineCollector(Collector):
             "skippy_cache_inflight_join_tokens": (
                 "Prompt tokens those requests shared instead of prefilling them again", n.join_tokens
             ),
+            "skippy_placement_pad_tokens": (
+                "Exact mode: pad cells imported so that steps land on the 64-cell grid", s.placement.pad_tokens
+            ),
+            "skippy_placement_unaligned_steps": (
+                "Exact mode: steps that could not be placed on the grid (their output may not be bit-exact)",
+                s.placement.unaligned_steps,
+            ),
+            "skippy_placement_relocations": (
+                "Exact mode: lanes moved down the pool for want of free cells past their own",
+                s.placement.relocations,
+            ),
             "skippy_engine_steps": ("Engine steps (one llama_decode each)", s.steps),
             "skippy_engine_decode_failures": ("llama_decode calls that failed", s.decode_failures),
         }
