@@ -7,6 +7,7 @@ tier, one Redis between them.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ from fastmode import assert_logits_close
 from prompts import make_tokens
 
 from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
-from skippy_cache.runtime import Engine, EngineConfig, GenerationRequest
+from skippy_cache.runtime import DoneEvent, Engine, EngineConfig, Event, GenerationRequest
 from skippy_cache.runtime.remote import RemoteConfig
 
 pytestmark = pytest.mark.timeout(600)
@@ -82,6 +83,42 @@ def test_a_prompt_one_replica_computed_is_restored_by_another(replicas, redis_se
     remote = b.stats().remote
     assert remote is not None and remote.hits == 3 and remote.rejected == 0
     assert b.stats().cache.counters.remote_restores == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "max_tokens", "chunks"),
+    [
+        (3 * CHUNK - 1, 3, 3),  # the reply completes the third chunk: the sequence entry is sent
+        (2 * CHUNK + 10, 1, 2),  # one token, nothing fed back: the whole-prompt entry is sent
+    ],
+)
+def test_a_request_ends_once_its_state_is_on_the_shared_tier(replicas, redis_server, prompt_tokens, max_tokens,
+                                                             chunks):
+    # A chat client sends its next turn the moment a reply ends, and a load balancer may send
+    # it to another replica: when the request's end reaches the client, the chunks of prompt
+    # and reply must be on the server already, or that replica computes them again.
+    a, b = replicas
+    store = a.cache.store
+    prompt = make_tokens(a, prompt_tokens, seed=15)
+    at_the_end: dict[str, object] = {}
+    ended = threading.Event()
+
+    def sink(event: Event) -> None:
+        if isinstance(event, DoneEvent):
+            # The last sampled token is never fed back: the sequence is one token shorter.
+            sequence = (prompt + list(event.tokens))[:-1]
+            ids = store.chunk_identities(a.cache.identity_key.with_namespace(None), sequence)
+            keys = [store.remote.name(key) for key in store._chunk_keys(ids)]
+            at_the_end.update(sequence=sequence, chunks=len(keys), held=redis_server.client().exists(*keys))
+            ended.set()
+
+    a.submit(GenerationRequest(tokens=prompt, max_tokens=max_tokens), sink)
+    assert ended.wait(300)
+    assert at_the_end["chunks"] == chunks
+    assert at_the_end["held"] == chunks, "the request ended before its chunks reached the shared tier"
+
+    next_turn = ask(b, at_the_end["sequence"] + make_tokens(a, 50, seed=16))
+    assert (next_turn.stats.cache_source, next_turn.stats.cached_tokens) == ("remote", chunks * CHUNK)
 
 
 def test_a_tampered_value_is_refused(replicas, redis_server):

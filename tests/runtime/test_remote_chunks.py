@@ -7,6 +7,7 @@ import socket
 import time
 
 import pytest
+import redis
 
 from skippy_cache.chunks import Chunk, seal
 from skippy_cache.runtime.remote import Breaker, RemoteChunks, RemoteConfig, redact
@@ -111,6 +112,21 @@ def test_breaker_retries_once_per_interval_and_logs_each_change_once(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert sum("is down" in m for m in messages) == 1
     assert sum("is back" in m for m in messages) == 1
+
+
+def test_a_timeout_is_a_miss_and_only_timeouts_in_a_row_open_the_breaker():
+    # On a loaded host one lookup can miss its 50 ms while the server is fine: that must not
+    # cut a replica off its peers for retry_s. A server that hangs still opens it.
+    breaker = Breaker("remote cache x", retry_s=5, clock=lambda: 0.0, timeouts_to_open=3)
+    for _ in range(2):
+        breaker.failed(redis.TimeoutError("Timeout reading from socket"))
+        assert breaker.up
+    breaker.succeeded()  # a round trip in between: the count starts again
+    breaker.failed(redis.TimeoutError("Timeout reading from socket"))
+    breaker.failed(redis.TimeoutError("Timeout reading from socket"))
+    assert breaker.up
+    breaker.failed(redis.TimeoutError("Timeout reading from socket"))
+    assert not breaker.up and not breaker.allow()
 
 
 def test_credentials_never_shown():

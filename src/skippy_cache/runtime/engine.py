@@ -604,8 +604,7 @@ class Engine:
         tail = lane.stream.finish().text if completed else ""
         if tail:
             self._emit(lane.sink, TokenEvent(-1, tail))
-        if completed:
-            self.cache.finished(lane)
+        sent = self.cache.finished(lane) if completed else None
         self.cache.ended(lane)
         self._release_lane(lane)
         stats = lane.stats(time.perf_counter())
@@ -615,7 +614,13 @@ class Engine:
         # Sent after the step's stats are published, so a caller that reads
         # stats() on completion sees its own request counted.
         done = DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits)
-        self._outbox.append((lane.sink, done))
+        if sent is None:
+            self._outbox.append((lane.sink, done))
+        else:
+            # The client's next turn may go to another replica the moment the reply ends: it
+            # ends once its state is on the shared tier (the store's writer completes `sent`,
+            # within the tier's write timeout), and a lookup there finds the reply too.
+            sent.add_done_callback(lambda _sent, sink=lane.sink: self._emit(sink, done))
 
     def _release_lane(self, lane: Lane) -> None:
         """Free the lane's cells, sampler and sequence id (each even if another step fails)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -305,7 +306,7 @@ class PrefixCache:
         missed = max(lane.prefill_end - lane.cached_tokens, 0)
         c.missed_tokens[reason] = c.missed_tokens.get(reason, 0) + missed
 
-    def finished(self, lane: Lane) -> None:
+    def finished(self, lane: Lane) -> Future[None] | None:
         """The request ended: record the lane's sequence, prompt and the reply tokens fed back.
 
         The cells hold `(prompt + generated)[:n_past]`: the last sampled token
@@ -313,11 +314,28 @@ class PrefixCache:
         state for those tokens, so a later prompt that starts with them (the
         next chat turn) reuses the reply too. Cells are shared with the
         whole-prompt entry, so only the reply's are new.
+
+        With a shared tier the longest entry the lane recorded is sent there
+        at once, ahead of other writes: the next turn may reach another
+        replica as soon as this reply ends. The future completes when it is
+        there (or the tier gave up on it); the engine ends the request then.
         """
-        if not (self.mode.records and lane.request.record) or lane.n_past <= len(lane.prompt):
-            return
-        tokens = (lane.prompt + lane.generated)[: lane.n_past]
-        self._record(lane, prefix_identity(lane.space, tokens), tokens=tokens)
+        if not (self.mode.records and lane.request.record):
+            return None
+        longest = lane.prompt_identity
+        if lane.n_past > len(lane.prompt):
+            tokens = (lane.prompt + lane.generated)[: lane.n_past]
+            longest = prefix_identity(lane.space, tokens)
+            self._record(lane, longest, tokens=tokens)
+        if not self.shares or longest is None:
+            return None
+        if longest.page_id in self._to_persist:
+            del self._to_persist[longest.page_id]
+            entry = self.tiers.resident.peek(longest.page_id)
+            if entry is not None:
+                self._persist(longest.page_id, entry.seq_id)
+        assert self.store is not None
+        return self.store.when_shared(longest.page_id)
 
     def _record(
         self,

@@ -16,9 +16,9 @@ Threads: nothing here runs on the engine thread. Reads run on the caller's
 thread (the engine's prefetch workers) and are bounded by small socket
 timeouts; writes are queued (`put`) and sent in pipelined batches by a
 writer thread, and the queue drops rather than blocks when it is full. A
-timeout or a refused connection opens the breaker: until it retries, reads
-answer "nothing" at once and writes are dropped; the log says once that the
-tier is down and once that it is back.
+refused connection, or a few timeouts in a row, open the breaker: until it
+retries, reads answer "nothing" at once and writes are dropped; the log
+says once that the tier is down and once that it is back.
 
 Credentials never reach the log or the stats: the URL is shown without its
 user info.
@@ -132,14 +132,25 @@ def redact(url: str) -> str:
 
 
 class Breaker:
-    """Down after a failure, retried every `retry_s`; logs each change of state once."""
+    """Down after a failure, retried every `retry_s`; logs each change of state once.
 
-    def __init__(self, what: str, retry_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    A refused connection or a protocol error opens it at once. A timeout alone
+    may be a busy machine rather than a dead server (on a loaded host a lookup
+    can miss its 50 ms while the server is fine): it is a miss for the one
+    request, and the breaker opens after `timeouts_to_open` in a row, so a
+    server that hangs still costs only a few requests that many milliseconds.
+    """
+
+    def __init__(
+        self, what: str, retry_s: float, clock: Callable[[], float] = time.monotonic, timeouts_to_open: int = 3
+    ) -> None:
         self.what = what
         self.retry_s = retry_s
         self.clock = clock
+        self.timeouts_to_open = timeouts_to_open
         self.up = True
         self._retry_at = 0.0
+        self._timeouts = 0
         self._lock = threading.Lock()
 
     def allow(self) -> bool:
@@ -155,6 +166,7 @@ class Breaker:
 
     def succeeded(self) -> None:
         with self._lock:
+            self._timeouts = 0
             if self.up:
                 return
             self.up = True
@@ -162,12 +174,21 @@ class Breaker:
 
     def failed(self, error: Exception) -> None:
         with self._lock:
+            if self.up and _is_timeout(error):
+                self._timeouts += 1
+                if self._timeouts < self.timeouts_to_open:
+                    return
+            self._timeouts = 0
             self._retry_at = self.clock() + self.retry_s
             if not self.up:
                 return
             self.up = False
         log.warning("%s is down (%s: %s); requests go on without it, retrying every %g s",
                     self.what, type(error).__name__, error, self.retry_s)
+
+
+def _is_timeout(error: Exception) -> bool:
+    return isinstance(error, (redis.TimeoutError, TimeoutError))
 
 
 class RemoteChunks:
@@ -219,6 +240,11 @@ class RemoteChunks:
         with self._lock:
             return self._clients.setdefault(timeout_ms, client)
 
+    @property
+    def write_timeout_s(self) -> float:
+        """How long a write may take at most: the batch being sent, then this one (two round trips each)."""
+        return 4 * self.config.transfer_timeout_ms / 1000
+
     def name(self, key: str) -> str:
         """The server's key for chunk `key`."""
         return self._prefix + key
@@ -266,19 +292,30 @@ class RemoteChunks:
 
     # -- writes (any thread queues; the writer sends) --------------------------------------
 
-    def put(self, key: str, value: bytes) -> bool:
-        """Queue a sealed chunk for the server; False (dropped) if the queue is full or the tier is down."""
+    def put(self, key: str, value: bytes, *, first: bool = False) -> bool:
+        """Queue a sealed chunk for the server (`first`: ahead of what is queued); False (dropped) if
+        the queue is full or the tier is down."""
         with self._cv:
             if key in self._queued:
                 return True
             if not self.breaker.up or self._pending_bytes + len(value) > self.config.max_pending_bytes:
                 self._counts["dropped"] += 1
                 return False
-            self._queue.append((key, value))
+            if first:
+                self._queue.appendleft((key, value))
+            else:
+                self._queue.append((key, value))
             self._queued.add(key)
             self._pending_bytes += len(value)
             self._cv.notify()
         return True
+
+    def wait_sent(self, keys: Sequence[str], timeout: float) -> bool:
+        """Wait until none of `keys` is queued or being sent (each was written, found held, or
+        dropped); False on timeout."""
+        wanted = set(keys)
+        with self._cv:
+            return self._cv.wait_for(lambda: self._queued.isdisjoint(wanted), timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write was sent (or dropped); False on timeout (tests, shutdown)."""
@@ -365,6 +402,7 @@ class RemoteChunks:
         with self._cv:
             self._closing = True
             self._queue.clear()
+            self._queued.clear()  # nobody waits on a write that will not be sent
             self._cv.notify_all()
         self._writer.join(timeout)
         with self._lock:

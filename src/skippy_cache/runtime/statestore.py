@@ -36,7 +36,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,8 +114,11 @@ class StateStore:
         self._pending: dict[PageId, bytes | bytearray] = {}
         self._pending_bytes = 0
         #: Work for the writer: (page, "store") cuts a pending export; (page, "spill") copies a
-        #: stored page's chunks from RAM to disk.
+        #: stored page's chunks from RAM to disk; (page, "shared") waits until the shared tier has
+        #: its chunks (`when_shared`).
         self._queue: deque[tuple[PageId, str]] = deque()
+        #: Futures of `when_shared`: completed once their page's chunks are on the shared tier.
+        self._sent: dict[PageId, Future[None]] = {}
         #: Pages the writer could not store (an export it could not parse): `prune` hands them back.
         self._lost: list[PageId] = []
         self._cv = threading.Condition()
@@ -186,6 +190,32 @@ class StateStore:
             self._cv.notify()
         return True
 
+    def when_shared(self, page_id: PageId) -> Future[None] | None:
+        """A future completed once the page's chunks are on the shared tier (or the tier gave up on
+        them: it is down, or a write timed out); None when there is nothing to wait for (no shared
+        tier, a page this store does not know).
+
+        The page's writes go ahead of everything queued: a request waits on them.
+        """
+        if self.remote is None:
+            return None
+        with self._cv:
+            if page_id not in self._pages:
+                return None
+            sent = self._sent.get(page_id)
+            if sent is not None:
+                return sent
+            sent = self._sent[page_id] = Future()
+            store = (page_id, "store")
+            if store in self._queue:
+                self._queue.remove(store)
+                self._queue.appendleft(store)
+            else:
+                # Written already, or being written: its chunks may still be queued for the server.
+                self._queue.appendleft((page_id, "shared"))
+            self._cv.notify()
+            return sent
+
     def make_durable(self, page_id: PageId) -> None:
         """The page was reused: from now on its chunks belong on disk too."""
         with self._cv:
@@ -223,8 +253,10 @@ class StateStore:
             self._pending.clear()
             self._pending_bytes = 0
             self._queue.clear()
+            sent = self._take_sent(self._sent)
             self.chunks.clear()
-            return pages
+        _complete(sent)
+        return pages
 
     # -- the engine's side: the plan ------------------------------------------------------
 
@@ -424,12 +456,26 @@ class StateStore:
             self._closing = True
             self._cv.notify_all()
         self._writer.join(timeout)
+        with self._cv:
+            sent = self._take_sent(self._sent)
+        _complete(sent)  # a writer that timed out must not leave a request waiting
         if self.remote is not None:
             self.remote.close(timeout)
         if self.chunks.disk is not None:
             self.chunks.disk.close()
 
     # -- internals -----------------------------------------------------------------------
+
+    def _take_sent(self, page_ids: Iterable[PageId]) -> list[Future[None]]:
+        """Remove the `when_shared` futures of these pages (under the lock); `_complete` them after
+        it is released, since completing one runs a caller's callback."""
+        return [sent for page_id in list(page_ids) if (sent := self._sent.pop(page_id, None)) is not None]
+
+    def _release(self, page_id: PageId) -> None:
+        """The page's `when_shared` future, if any, is done (called without the lock)."""
+        with self._cv:
+            sent = self._take_sent([page_id])
+        _complete(sent)
 
     def _drop_page(self, page_id: PageId) -> bool:
         page = self._pages.pop(page_id, None)
@@ -448,14 +494,21 @@ class StateStore:
                 page_id, job = self._queue.popleft()
                 page = self._pages.get(page_id)
                 payload = self._pending.get(page_id)
+                urgent = page_id in self._sent
             if job == "spill":
                 if page is not None:
                     self._spill(page)
                 continue
+            if job == "shared":
+                if page is not None:
+                    self._wait_shared(page)
+                self._release(page_id)
+                continue
             if page is None or payload is None:
-                continue  # discarded or cleared meanwhile
+                self._release(page_id)  # discarded or cleared meanwhile
+                continue
             try:
-                self._write(page, payload)
+                self._write(page, payload, urgent=urgent)
             except Exception:  # noqa: BLE001 - one bad export must not stop the writer
                 log.exception("store: could not store an exported state; its entry is lost")
                 with self._cv:
@@ -465,8 +518,9 @@ class StateStore:
                     del self._pending[page_id]
                     self._pending_bytes -= len(payload)
                 self._cv.notify_all()
+            self._release(page_id)
 
-    def _write(self, page: Page, payload: bytes | bytearray) -> None:
+    def _write(self, page: Page, payload: bytes | bytearray, *, urgent: bool = False) -> None:
         state = parse(payload)
         if state.n_tokens != page.token_count:
             raise StateFormatError(f"export holds {state.n_tokens} tokens, its entry {page.token_count}")
@@ -487,7 +541,15 @@ class StateStore:
             with self._cv:
                 self.chunks.add_written(key, len(rows), value, on_disk=on_disk)
             if self.remote is not None:
-                self.remote.put(key, value)
+                self.remote.put(key, value, first=urgent)
+        if urgent:
+            self._wait_shared(page)
+
+    def _wait_shared(self, page: Page) -> None:
+        """Until the shared tier has the page's chunks: those held here already may still be on their
+        way from an earlier page."""
+        assert self.remote is not None
+        self.remote.wait_sent([*page.chunk_keys, page.tail_key], self.remote.write_timeout_s)
 
     def _spill(self, page: Page) -> None:
         """Copy a page's chunks that are only in RAM to disk (the file writes without the lock)."""
@@ -499,6 +561,12 @@ class StateStore:
             if value is not None and disk.write_file(key, value):
                 with self._cv:
                     self.chunks.book_on_disk(key, len(value))
+
+
+def _complete(futures: list[Future[None]]) -> None:
+    for sent in futures:
+        if not sent.done():
+            sent.set_result(None)
 
 
 def _logits(stored: bytes | None) -> np.ndarray | None:
