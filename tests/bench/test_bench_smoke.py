@@ -137,7 +137,9 @@ def test_cli_options_map_to_config() -> None:
     assert REPLICAS not in WORKLOADS
     config = config_from_args(parser.parse_args(["--workloads", "replicas,chat", "--replicas", "3"]))
     assert config.workloads == ["chat", REPLICAS] and config.replicas == 3
-    assert config_from_args(parser.parse_args(["--no-skippy", "--workloads", "replicas"])).replicas == 2
+    default = config_from_args(parser.parse_args(["--no-skippy", "--workloads", "replicas"]))
+    assert default.replicas == 2 and not default.replicas_fast  # the server's default mode: exact
+    assert config_from_args(parser.parse_args(["--workloads", "replicas", "--replicas-fast"])).replicas_fast
     with pytest.raises(ValueError, match="--replicas"):
         config_from_args(parser.parse_args(["--workloads", "replicas", "--replicas", "1"]))
 
@@ -195,12 +197,17 @@ def test_replicas_workload_shares_state_through_redis(tmp_path: Path) -> None:
     }
 
     part = doc["replicas"]
+    assert part["mode"] == "exact"
     assert [c["name"] for c in part["configurations"]] == ["shared", "alone", "single"]
     assert part["redis"]["after_shared"]["keys"] > 0
     for c in part["configurations"]:
         commands = [t["command"] for t in c["targets"]]
         assert all(("--remote-cache" in cmd) == c["shared_tier"] for cmd in commands)
         assert all(cmd[cmd.index("--cache-dir") + 1] == "none" for cmd in commands)
+        assert not any("--fast" in cmd for cmd in commands)
+        # Each server's /v1/cache at the end; only the shared configuration's have a remote section.
+        assert len(c["caches"]) == len(commands)
+        assert all((cache["remote"] is not None) == c["shared_tier"] for cache in c["caches"])
     # Everything it started is stopped: Redis's port no longer answers.
     port = int(part["redis"]["command"][part["redis"]["command"].index("--port") + 1])
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):

@@ -79,6 +79,8 @@ class BenchConfig:
     llama_server: Path | None = None
     #: Servers per configuration of the replicas workload.
     replicas: int = DEFAULT_REPLICAS
+    #: The replicas workload's servers run in fast mode (default: exact, the server's default).
+    replicas_fast: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"skippy-cache servers per configuration of the {REPLICAS} workload, with and without "
         f"a shared tier (default {DEFAULT_REPLICAS}); it compares them with one server",
+    )
+    parser.add_argument(
+        "--replicas-fast",
+        action="store_true",
+        help=f"run every server of the {REPLICAS} workload in fast mode (default: exact mode, as "
+        "skippy-cache serve runs by default)",
     )
     parser.add_argument(
         "--ctx-size",
@@ -220,6 +228,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         reference=args.reference,
         llama_server=args.llama_server,
         replicas=args.replicas,
+        replicas_fast=args.replicas_fast,
     )
 
 
@@ -256,7 +265,8 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
     replica_run: Run | None = None
     replica_part: dict[str, Any] | None = None
     if redis_server is not None:
-        setup = ReplicaSetup(config.replicas, model or Path(), config.ctx_size, log_dir, redis_server)
+        setup = ReplicaSetup(config.replicas, model or Path(), config.ctx_size, log_dir, redis_server,
+                             fast=config.replicas_fast)
         replica_run, replica_part = asyncio.run(_drive_replicas(config, setup, run, console))
     recorded = run or replica_run
     assert recorded is not None, "config_from_args leaves at least one workload"

@@ -57,6 +57,12 @@ class BenchClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    async def get_json(self, base_url: str, path: str) -> Any:
+        """GET `base_url + path` and parse its JSON (httpx errors and bad JSON raise)."""
+        response = await self._http.get(base_url.rstrip("/") + path)
+        response.raise_for_status()
+        return response.json()
+
     async def stream(self, base_url: str, path: str, body: dict[str, Any]) -> Reply:
         """POST `body` with stream=true to `base_url + path`; every exception becomes a failed Reply."""
         payload = {**body, "stream": True, "stream_options": {"include_usage": True}}

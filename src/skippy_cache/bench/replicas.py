@@ -80,6 +80,8 @@ class ReplicaSetup:
     ctx_size: int
     log_dir: Path
     redis_server: Path
+    #: Every server in fast mode (`--fast`); else the default, exact mode.
+    fast: bool = False
 
 
 def configurations(replicas: int, cores: int) -> list[Configuration]:
@@ -179,28 +181,28 @@ def _wait_for_ping(server: RedisServer) -> None:
 
 
 def replica_command(
-    configuration: Configuration, port: int, model: Path, ctx_size: int, remote_url: str
+    configuration: Configuration, port: int, model: Path, ctx_size: int, remote_url: str, *, fast: bool = False
 ) -> list[str]:
     """The bench's own skippy-cache command (no disk tier), with the configuration's threads and tier.
 
-    Fast mode in every configuration, as the README's figures were measured; the configurations
-    differ in their tiers alone.
+    The same mode in every configuration (`fast`: fast mode, else the default, exact), so the
+    configurations differ in their tiers alone.
     """
     command = server_command(_KIND, port, model, ctx_size)
-    command += ["--fast", "--threads", str(configuration.threads)]
+    command += (["--fast"] if fast else []) + ["--threads", str(configuration.threads)]
     return command + (["--remote-cache", remote_url] if configuration.shared else [])
 
 
 @contextmanager
 def running_configuration(
-    configuration: Configuration, *, model: Path, ctx_size: int, log_dir: Path, remote_url: str
+    configuration: Configuration, *, model: Path, ctx_size: int, log_dir: Path, remote_url: str, fast: bool = False
 ) -> Iterator[Replicas]:
     """Start the configuration's servers together, wait for each, stop them all on exit."""
     servers: list[Target] = []
     try:
         for i in range(configuration.servers):
             port = free_port()
-            command = replica_command(configuration, port, model, ctx_size, remote_url)
+            command = replica_command(configuration, port, model, ctx_size, remote_url, fast=fast)
             log_path = log_dir / f"replicas-{configuration.name}-{i + 1}.log"
             servers.append(launch(f"{configuration.name} #{i + 1}", _KIND, command, log_path, port))
         wait_ready(servers)
@@ -224,6 +226,17 @@ async def _warm_up(run: Run, group: Replicas) -> None:
         run.tokens_per_word, run.calibration = known
 
 
+async def _cache_answer(run: Run, server: Target) -> dict[str, object] | None:
+    """The server's GET /v1/cache, None if it does not answer."""
+    if server.error is not None:
+        return None
+    try:
+        response = await run.client.get_json(server.url, "/v1/cache")
+    except Exception:  # noqa: BLE001 - a server that is gone costs this record, not the run
+        return None
+    return response if isinstance(response, dict) else None
+
+
 async def replicas(run: Run, setup: ReplicaSetup, say: Callable[[str], None]) -> dict[str, object]:
     """Run the three configurations one after another; what the JSON records of them.
 
@@ -242,12 +255,14 @@ async def replicas(run: Run, setup: ReplicaSetup, say: Callable[[str], None]) ->
                 ctx_size=setup.ctx_size,
                 log_dir=setup.log_dir,
                 remote_url=redis_server.url,
+                fast=setup.fast,
             ) as group:
                 states = ", ".join(f"NOT READY: {s.error}" if s.error else "ready" for s in group.members)
                 say(f"replicas: {configuration.name} ({configuration.describe()}): {states}")
                 await _warm_up(run, group)
                 await tenant_rounds(run, group, REPLICAS, "tenants: ")
                 await conversations(run, group, REPLICAS, "chat: ")
+                caches = [await _cache_answer(run, server) for server in group.members]
             if configuration.shared:
                 shared_usage = redis_server.usage()
             described.append(
@@ -258,10 +273,14 @@ async def replicas(run: Run, setup: ReplicaSetup, say: Callable[[str], None]) ->
                     "threads_per_server": configuration.threads,
                     "shared_tier": configuration.shared,
                     "targets": [s.describe() for s in group.members],
+                    # Each server's /v1/cache at the end: why a later round missed (a lookup
+                    # that timed out is an `errors` of its `remote` section).
+                    "caches": caches,
                 }
             )
     return {
         "replicas": setup.replicas,
+        "mode": "fast" if setup.fast else "exact",
         "cores": available_cores(),
         "calibration": run.calibration,
         "redis": {"command": redis_server.command, "after_shared": shared_usage},
