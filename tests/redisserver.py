@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -57,6 +58,13 @@ class RedisServer:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
+
+    def pause(self) -> None:
+        """Stop the process (SIGSTOP): connections stay open and nothing answers, as a hung server."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
 
 
 class RedisClusterNodes:

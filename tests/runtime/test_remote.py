@@ -173,6 +173,23 @@ def test_a_server_killed_mid_run_leaves_every_request_answered(redis_server):
         engine.close(drain=False)
 
 
+def test_a_server_that_hangs_costs_a_few_timeouts_then_opens_the_breaker(redis_server):
+    # Connections stay open and nothing answers: every lookup and write times out. A request's
+    # end waits for its write at most that long, and a few timeouts in a row open the breaker.
+    engine = replica(redis_server.url, transfer_timeout_ms=300)
+    try:
+        ask(engine, make_tokens(engine, 300, seed=20))
+        shared(engine)
+        redis_server.pause()
+        for seed in range(21, 25):
+            assert ask(engine, make_tokens(engine, 300, seed=seed)).stats.completion_tokens == 2
+        stats = engine.stats().remote
+        assert stats is not None and not stats.up and stats.errors >= 3
+    finally:
+        redis_server.resume()
+        engine.close(drain=False)
+
+
 def test_a_server_that_is_not_there_costs_no_request():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
