@@ -48,8 +48,10 @@ log = logging.getLogger("skippy_cache.remote")
 #: Round-trip time buckets of the latency histogram, in seconds.
 RTT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
-#: Chunks a writer batch sends in one pipeline at most.
-_BATCH_CHUNKS = 16
+#: Chunks a writer batch sends in one pipeline at most. The server runs one command at a time:
+#: another replica's lookup that arrives behind a pipeline of many MiB waits for all of it, and
+#: a lookup has a small timeout. A few chunks per pipeline keep that wait short.
+_BATCH_CHUNKS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
