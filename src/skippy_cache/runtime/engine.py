@@ -618,8 +618,9 @@ class Engine:
             self._outbox.append((lane.sink, done))
         else:
             # The client's next turn may go to another replica the moment the reply ends: it
-            # ends once its state is on the shared tier (the store's writer completes `sent`,
-            # within the tier's write timeout), and a lookup there finds the reply too.
+            # ends once its state is on the shared tier (the store's writer completes `sent`;
+            # a write that hangs is given up after the tier's timeout), and a lookup there
+            # finds the reply too.
             sent.add_done_callback(lambda _sent, sink=lane.sink: self._emit(sink, done))
 
     def _release_lane(self, lane: Lane) -> None:
