@@ -330,10 +330,7 @@ class PrefixCache:
         if not self.shares or longest is None:
             return None
         if longest.page_id in self._to_persist:
-            del self._to_persist[longest.page_id]
-            entry = self.tiers.resident.peek(longest.page_id)
-            if entry is not None:
-                self._persist(longest.page_id, entry.seq_id)
+            self._persist_waiting(longest.page_id)
         assert self.store is not None
         return self.store.when_shared(longest.page_id)
 
@@ -579,13 +576,18 @@ class PrefixCache:
         spread out rather than allowed to hold up a decode for long.
         """
         while self._to_persist:
-            page_id = next(iter(self._to_persist))
-            del self._to_persist[page_id]
-            entry = self.tiers.resident.peek(page_id)
-            if entry is not None:
-                self._persist(page_id, entry.seq_id)
+            if self._persist_waiting(next(iter(self._to_persist))):
                 return True
         return False
+
+    def _persist_waiting(self, page_id: PageId) -> bool:
+        """Take the page off the waiting list and export it if it is still resident (False: it is not)."""
+        del self._to_persist[page_id]
+        entry = self.tiers.resident.peek(page_id)
+        if entry is None:
+            return False
+        self._persist(page_id, entry.seq_id)
+        return True
 
     def _forget_store_pages(self, pages: list[PageId]) -> None:
         for page_id in pages:

@@ -527,6 +527,7 @@ class StateStore:
         pieces = split(state, self.chunk_tokens)
         assert len(pieces) == len(page.chunk_keys) + 1, "the tail is the last piece"
         names = [*page.chunk_keys, page.tail_key]
+        ahead: list[tuple[str, bytes]] = []
         for i, (key, rows) in enumerate(zip(names, pieces, strict=True)):
             logits = page.logits if key == page.tail_key else None
             tokens = state.n_tokens - i * self.chunk_tokens if key == page.tail_key else self.chunk_tokens
@@ -540,9 +541,14 @@ class StateStore:
             on_disk = page.durable and disk is not None and disk.write_file(key, value)
             with self._cv:
                 self.chunks.add_written(key, len(rows), value, on_disk=on_disk)
-            if self.remote is not None:
-                self.remote.put(key, value, first=urgent)
+            if urgent:
+                ahead.append((key, value))
+            elif self.remote is not None:
+                self.remote.put(key, value)
         if urgent:
+            # Queued ahead of everything in chunk order, so a lookup meanwhile finds a run from the start.
+            for key, value in reversed(ahead):
+                self.remote.put(key, value, first=True)
             self._wait_shared(page)
 
     def _wait_shared(self, page: Page) -> None:
