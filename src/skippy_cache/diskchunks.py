@@ -229,6 +229,16 @@ class DiskChunks:
         self._writes += 1
         return True
 
+    def unwrite(self, key: str) -> None:
+        """Delete a file `write_file` wrote that will not be booked (its entry went meanwhile): left
+        in place, the next start's scan would serve it again. A booked key is left alone."""
+        if key in self._index:
+            return
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError:
+            pass
+
     def _room_on_filesystem(self, size: int) -> bool:
         """Whether writing `size` bytes leaves at least `reserve_bytes` free for everything else."""
         try:

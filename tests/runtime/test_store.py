@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from prompts import make_tokens
 
 from skippy_cache.chunks import chunk_key
 from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
+from skippy_cache.identity import prefix_identity
 from skippy_cache.runtime import CacheDirBusy, Engine, EngineConfig
 from skippy_cache.runtime.gguf_info import default_model_path
 from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel
@@ -413,3 +415,58 @@ def test_a_chunk_cut_with_another_size_is_never_named_alike(engine: Engine) -> N
         assert not set(ours) & set(theirs)
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_write_under_way_when_the_store_is_cleared_leaves_nothing(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
+    """An operator's clear while the writer seals an export: the chunks sealed after it must not land,
+    or the prompt is found again by its chunks' names (in RAM, or on disk after a restart)."""
+    from skippy_cache.chunkstore import ChunkStore
+    from skippy_cache.diskchunks import DiskChunks
+    from skippy_cache.runtime import statestore
+
+    tokens = make_tokens(engine, 3 * CHUNK + 10, seed=43)
+    run(engine, tokens)
+    entry = next(e for e in engine.call(lambda: list(engine.cache.tiers.resident.entries()))
+                 if e.token_count == len(tokens))
+    payload = engine.call(lambda: engine.pool.export(entry.seq_id))
+    layout = engine.cache.store.layout
+
+    sealing, resume = threading.Event(), threading.Event()
+    real_seal = statestore.seal
+
+    def slow_seal(chunk):  # noqa: ANN001, ANN202 - the writer's one call site
+        sealing.set()
+        assert resume.wait(30)
+        return real_seal(chunk)
+
+    monkeypatch.setattr(statestore, "seal", slow_seal)
+    disk = DiskChunks(tmp_path, 1 << 30, reserve_bytes=0)
+    store = statestore.StateStore(ChunkStore(1 << 26, disk), layout, CHUNK, max_pending_bytes=1 << 28)
+    written = threading.Event()
+    real_write = store._write
+
+    def write(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        try:
+            real_write(*args, **kwargs)
+        finally:
+            written.set()
+
+    store._write = write  # type: ignore[method-assign]
+    try:
+        space = engine.cache.identity_key.with_namespace(None)
+        whole = prefix_identity(space, tokens)
+        assert store.put(whole.page_id, space, tokens, payload, None, durable=durable)
+        assert sealing.wait(30), "the writer never started sealing"
+        store.clear()
+        resume.set()
+        assert written.wait(30), "the writer never finished the export"
+        chunk_ids = store.chunk_identities(space, tokens)
+        assert store.probe(chunk_ids, whole)[0] == 0
+        assert store.stats().chunks.ram_chunks == 0
+        assert chunk_files(tmp_path) == []
+    finally:
+        resume.set()
+        store.close()

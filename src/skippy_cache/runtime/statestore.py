@@ -497,7 +497,7 @@ class StateStore:
                 urgent = page_id in self._sent
             if job == "spill":
                 if page is not None:
-                    self._spill(page)
+                    self._spill(page_id, page)
                 continue
             if job == "shared":
                 if page is not None:
@@ -508,7 +508,7 @@ class StateStore:
                 self._release(page_id)  # discarded or cleared meanwhile
                 continue
             try:
-                self._write(page, payload, urgent=urgent)
+                self._write(page_id, page, payload, urgent=urgent)
             except Exception:  # noqa: BLE001 - one bad export must not stop the writer
                 log.exception("store: could not store an exported state; its entry is lost")
                 with self._cv:
@@ -520,7 +520,7 @@ class StateStore:
                 self._cv.notify_all()
             self._release(page_id)
 
-    def _write(self, page: Page, payload: bytes | bytearray, *, urgent: bool = False) -> None:
+    def _write(self, page_id: PageId, page: Page, payload: bytes | bytearray, *, urgent: bool = False) -> None:
         state = parse(payload)
         if state.n_tokens != page.token_count:
             raise StateFormatError(f"export holds {state.n_tokens} tokens, its entry {page.token_count}")
@@ -540,6 +540,12 @@ class StateStore:
             disk = self.chunks.disk
             on_disk = page.durable and disk is not None and disk.write_file(key, value)
             with self._cv:
+                if self._pages.get(page_id) is not page:
+                    # Cleared or discarded while this chunk was sealed: a chunk added now would be
+                    # found by its name after an operator emptied the cache.
+                    if on_disk and disk is not None:
+                        disk.unwrite(key)
+                    return
                 self.chunks.add_written(key, len(rows), value, on_disk=on_disk)
             if urgent:
                 ahead.append((key, value))
@@ -557,16 +563,20 @@ class StateStore:
         assert self.remote is not None
         self.remote.wait_sent([*page.chunk_keys, page.tail_key], self.remote.write_timeout_s)
 
-    def _spill(self, page: Page) -> None:
+    def _spill(self, page_id: PageId, page: Page) -> None:
         """Copy a page's chunks that are only in RAM to disk (the file writes without the lock)."""
         disk = self.chunks.disk
         assert disk is not None
         for key in [*page.chunk_keys, page.tail_key]:
             with self._cv:
                 value = None if key in disk else self.chunks.ram_value(key)
-            if value is not None and disk.write_file(key, value):
-                with self._cv:
-                    self.chunks.book_on_disk(key, len(value))
+            if value is None or not disk.write_file(key, value):
+                continue
+            with self._cv:
+                if self._pages.get(page_id) is not page:
+                    disk.unwrite(key)  # cleared or discarded meanwhile, as in `_write`
+                    return
+                self.chunks.book_on_disk(key, len(value))
 
 
 def _complete(futures: list[Future[None]]) -> None:
