@@ -65,7 +65,8 @@ def is_key(name: str) -> bool:
 
 
 def chunk_key(page_id: str, layout: str) -> str:
-    """The key of the rows of prefix `page_id` under `layout` (a `Layout.fingerprint()`)."""
+    """The key of the rows that end prefix `page_id` under `layout` (a `Layout.fingerprint()`): a full
+    chunk's, or the partial chunk that ends an entry off the chunk grid (a reply's)."""
     return _key("chunk", page_id, layout)
 
 

@@ -118,8 +118,11 @@ class Query:
     whole: PrefixIdentity | None = None
     #: Deterministic mode: the kernels of the prompt's cold run (exact.py); None in fast mode.
     kernels: Kernels | None = None
-    #: Fast mode with a store: the identities at every multiple of its chunk size, shortest first.
+    #: With a store: the identities at every multiple of its chunk size, shortest first.
     chunks: tuple[PrefixIdentity, ...] = ()
+    #: With a store: the identities at the ends of the earlier replies the prompt resends, off the
+    #: chunk grid: an entry that ended a reply keeps its last rows as a partial chunk named so.
+    tails: tuple[PrefixIdentity, ...] = ()
     #: Set when the request may not look up at all, with the reason.
     refused: Why | None = None
 
@@ -141,9 +144,12 @@ class StateTier(Protocol):
         """A whole-prompt page's first-token logits, if the page is held in full."""
         ...
 
-    def probe(self, chunks: Sequence[PrefixIdentity], whole: PrefixIdentity | None) -> tuple[int, Source, bool]:
+    def probe(
+        self, chunks: Sequence[PrefixIdentity], whole: PrefixIdentity | None, tails: Sequence[PrefixIdentity] = ()
+    ) -> tuple[int, Source, bool]:
         """Tokens covered by consecutive chunks named by `chunks` from the start, their slowest tier,
-        and whether the whole prompt `whole` (with its logits) is held too."""
+        and whether the whole prompt `whole` (with its logits) is held too. Failing the whole prompt,
+        the longest partial chunk of `tails` whose rows start where the run ends takes it to its end."""
         ...
 
     def pages(self) -> list[PageId]: ...
@@ -298,9 +304,9 @@ class CacheTiers:
     def _named(self, query: Query) -> Hit:
         """The run of the prompt's chunks the store holds by name (written before a restart, or by
         another replica)."""
-        if self.store is None or not query.chunks:
+        if self.store is None or not (query.chunks or query.tails):
             return Hit.miss(Why.NEVER_SEEN)
-        length, source, _ = self.store.probe(query.chunks, None)
+        length, source, _ = self.store.probe(query.chunks, None, query.tails)
         return Hit(source, None, length, reuse_why(length, len(query.tokens)))
 
     def _whole(self, query: Query, prompt: PrefixIdentity) -> Hit | None:

@@ -40,7 +40,7 @@ class FakeStore:
     def whole_logits(self, page_id: PageId) -> np.ndarray | None:
         return self.held[page_id][2] if page_id in self.held else None
 
-    def probe(self, chunks, whole):
+    def probe(self, chunks, whole, tails=()):
         run, source = 0, Source.NONE
         for ident in chunks:
             if ident.page_id not in self.chunks:
@@ -50,7 +50,11 @@ class FakeStore:
         complete = whole is not None and run == len(chunks) and whole.page_id in self.tails
         if complete:
             source = Source.DISK if Source.DISK in (source, self.tails[whole.page_id]) else self.tails[whole.page_id]
-        return run * self.chunk_tokens, source, complete
+            return run * self.chunk_tokens, source, True
+        # A partial chunk goes on from the run when its rows start where the run ends.
+        ends = [t.token_count for t in tails
+                if t.page_id in self.chunks and t.token_count // self.chunk_tokens == run]
+        return max(ends, default=run * self.chunk_tokens), source, False
 
     def pages(self) -> list[PageId]:
         return list(self.held)
@@ -165,6 +169,28 @@ def test_chunks_are_found_by_name_without_any_page() -> None:
     assert (hit.source, hit.page_id, hit.length, hit.why, hit.logits) == (
         Source.RAM, whole_id(A).page_id, len(A), Why.EXACT_REPEAT, None
     )
+
+
+def test_a_partial_chunk_found_by_name_takes_the_run_to_where_a_reply_ended() -> None:
+    # Another process's entry of A[:29] (a reply) left chunks [0, 8), ..., [16, 24) and the
+    # partial chunk [24, 29), named by the prefix identity at its end.
+    t = tiers()
+    store = t.store
+    assert isinstance(store, FakeStore)
+    ids = chunk_ids(A[:-1])
+    for ident in ids[:3]:
+        store.chunks[ident.page_id] = Source.RAM
+    tail = prefix_identity(SPACE, A[:29])
+    store.chunks[tail.page_id] = Source.RAM
+    hit = t.plan(query(A, chunks=ids, tails=(tail,)))
+    assert (hit.source, hit.page_id, hit.length, hit.why) == (Source.RAM, None, 29, Why.DIVERGED)
+    # Its rows start at 24: with chunk [24, 32) missing it still serves; with a chunk past its
+    # start held, the run itself goes further and the partial chunk is of no use.
+    store.chunks[ids[3].page_id] = Source.RAM
+    assert t.plan(query(A, chunks=ids, tails=(tail,))).length == 32
+    # Not asked for (a prompt that resends no reply there): the run alone.
+    del store.chunks[ids[3].page_id]
+    assert t.plan(query(A, chunks=ids)).length == 24
 
 
 def test_a_longer_page_beats_chunks_found_by_name_and_chunks_beat_a_shorter_one() -> None:

@@ -245,3 +245,38 @@ def test_auth_in_the_url(redis_with_password):
     finally:
         engine.close(drain=False)
         wrong.close(drain=False)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_next_turn_on_another_replica_reuses_the_reply_to_its_end(redis_server, deterministic):
+    # A chat's turn t + 1 resends turn t's reply. The replica that generated it recorded prompt +
+    # reply as an entry ending off the chunk grid; its last rows are a partial chunk named by the
+    # prefix at its end, so another replica's lookup goes on past the last whole chunk to there.
+    a, b, c = (replica(redis_server.url, deterministic=deterministic) for _ in range(3))
+    cold = Engine(EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=deterministic,
+                               cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    try:
+        prompt = make_tokens(a, 2 * CHUNK + 90, seed=21)
+        turn = a.generate(GenerationRequest(tokens=prompt, max_tokens=8), timeout=300)
+        reply = list(turn.tokens)
+        shared(a)
+        # Cut at max_tokens: every token but the last was fed back, the entry ends one before
+        # the reply's end.
+        held = len(prompt) + len(reply) - 1
+        assert held % CHUNK
+        following = prompt + reply + make_tokens(a, 60, seed=22)[1:]
+        replies = ((len(prompt), len(prompt) + len(reply)),)
+        # A replica not told where the reply sits stops at the last whole chunk.
+        unaware = ask(c, following, record=False)
+        assert (unaware.stats.cache_source, unaware.stats.cached_tokens) == ("remote", 2 * CHUNK)
+        nxt = ask(b, following, replies=replies)
+        assert (nxt.stats.cache_source, nxt.stats.cached_tokens) == ("remote", held)
+        reference = ask(cold, following, replies=replies)
+        if deterministic:
+            assert_bit_exact(nxt, reference, "the next turn restored from another replica")
+            assert b.stats().placement.unaligned_steps == 0
+        else:
+            assert_logits_close(nxt.first_logits, reference.first_logits, "the next turn from another replica")
+    finally:
+        for engine in (a, b, c, cold):
+            engine.close(drain=False)

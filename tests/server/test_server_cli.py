@@ -229,3 +229,32 @@ def test_two_servers_on_one_redis_share_a_prefix(tmp_path: Path, redis_with_pass
     for server in (first, second):
         assert "s3cret" not in server.text, "a credential reached the log"
         assert f"shared redis://127.0.0.1:{redis_with_password.port}/0" in server.text
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("mode", [(), ("--fast",)], ids=["exact", "fast"])
+def test_a_chat_turn_on_another_server_reuses_the_previous_reply(redis_server, mode: tuple[str, ...]) -> None:
+    # Behind a round-robin balancer a chat's next turn lands on the other replica: it reuses the
+    # history up to where the reply it resends ended, not only up to the last whole chunk.
+    common = ("--ctx-size", "2048", "--cache-dir", "none", "--remote-cache", redis_server.url, *mode)
+    first, second = Served(*common, env=clean_env()), Served(*common, env=clean_env())
+    try:
+        first.wait_ready()
+        second.wait_ready()
+        messages = [{"role": "system", "content": SHARED}, {"role": "user", "content": "Name one rule."}]
+        turn = first.client().chat.completions.create(model="skippy-cache", messages=messages, max_tokens=12,
+                                                      temperature=0)
+        assert turn.choices[0].finish_reason == "length"
+        # Cut at max_tokens: the entry holds the prompt and every reply token but the last.
+        held = turn.usage.prompt_tokens + turn.usage.completion_tokens - 1
+        assert held % first.cache()["budgets"]["chunk_tokens"]
+        messages += [{"role": "assistant", "content": turn.choices[0].message.content},
+                     {"role": "user", "content": "And another?"}]
+        # The request ended once its state was on the shared tier: no wait here.
+        nxt = second.client().chat.completions.create(model="skippy-cache", messages=messages, max_tokens=1,
+                                                      temperature=0)
+        said = nxt.model_extra["skippy_cache"]
+        assert (said["source"], said["matched_tokens"]) == ("remote", held), said
+    finally:
+        first.stop()
+        second.stop()

@@ -56,6 +56,9 @@ class Lane:
     prompt_identity: PrefixIdentity | None = None
     #: With a store: the identities at every multiple of its chunk size (the store's names).
     chunk_ids: tuple[PrefixIdentity, ...] = ()
+    #: With a store: the names of the partial chunks that would end the earlier replies the
+    #: prompt resends (`PrefixCache.name`), where another process's entry of that reply ended.
+    tail_ids: tuple[PrefixIdentity, ...] = ()
     #: Recorded with its first-token logits right after the last prompt token's decode.
     whole_prompt: PrefixIdentity | None = None
     #: What the lane reused, as its request reports it (RequestStats).

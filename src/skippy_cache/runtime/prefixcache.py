@@ -162,7 +162,28 @@ class PrefixCache:
             kernels = lane.kernels if self.deterministic else None
             lane.prompt_identity = self._whole_identity(request, kernels)
             if self.store is not None:
-                lane.chunk_ids = self.store.chunk_identities(lane.space, request.tokens[: lane.prefill_end], kernels)
+                prefix = request.tokens[: lane.prefill_end]
+                lane.chunk_ids = self.store.chunk_identities(lane.space, prefix, kernels)
+                lane.tail_ids = self.store.identities_at(lane.space, prefix, self._reply_ends(lane), kernels)
+
+    def _reply_ends(self, lane: Lane) -> list[int]:
+        """Where an entry that ended one of the replies the prompt resends would end, off the chunk grid.
+
+        The entry of a reply holds the cells its lane fed: the prompt and every
+        sampled token but the last. A reply that ended on a stop token is thus
+        held whole (the stop token is not in the reply's text), one cut at
+        `max_tokens` without its last token: its end or one before.
+        In deterministic mode a lookup may resume there only where the prompt's
+        own rows are computed one at a time (exact.py): inside a reply's span.
+        """
+        assert self.store is not None
+        c = self.store.chunk_tokens
+        floor = max(self.tiers.min_tokens, 1)
+        ends = {n for _, end in lane.request.replies for n in (end - 1, end)
+                if floor <= n <= lane.prefill_end and n % c}
+        if self.deterministic:
+            ends = {n for n in ends if lane.kernels.row_by_row(n)}
+        return sorted(ends)
 
     @property
     def shares(self) -> bool:
@@ -184,7 +205,7 @@ class PrefixCache:
         self.name(lane)
         if lane.prompt_identity is None:
             return None  # below min_tokens: nothing is looked up
-        return store.prefetch(lane.chunk_ids, lane.prompt_identity, fetch=fetch)
+        return store.prefetch(lane.chunk_ids, lane.prompt_identity, lane.tail_ids, fetch=fetch)
 
     def explain(self, request: GenerationRequest, remote: Prefetched | None = None) -> Explanation:
         """What the request would reuse right now, from where, and why not more; changes nothing.
@@ -222,7 +243,7 @@ class PrefixCache:
         whole = lane.prompt_identity if refused is None else None
         kernels = lane.kernels if self.deterministic else None
         return self.tiers.plan(Query(lane.space, prefix, whole=whole, kernels=kernels, chunks=lane.chunk_ids,
-                                     refused=refused))
+                                     tails=lane.tail_ids, refused=refused))
 
     def apply(self, hit: Hit, lane: Lane) -> Hit:
         """Put the hit on the lane's (empty) sequence; returns what is on it.
@@ -512,7 +533,7 @@ class PrefixCache:
         store = self.store
         assert store is not None
         t0 = time.perf_counter()
-        fetched = store.fetch(hit, lane.chunk_ids)
+        fetched = store.fetch(hit, lane.chunk_ids, lane.tail_ids)
         if fetched is None or fetched.length < self.tiers.min_tokens:
             self._forget_store_pages(store.prune())
             return False

@@ -110,7 +110,8 @@ class Prefetched:
 
     #: Leading tokens whose chunks were held here already; the shared tier's run starts after them.
     local_tokens: int
-    #: Tokens of the chunks brought into RAM from the shared tier (0: none).
+    #: Tokens brought into RAM from the shared tier past `local_tokens`: its chunks, and a
+    #: partial chunk that ended the run (0: none).
     tokens: int
     #: The whole prompt's tail (with its first-token logits) came too.
     whole: bool

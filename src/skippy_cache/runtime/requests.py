@@ -52,6 +52,8 @@ class GenerationRequest:
     #: Earlier replies the prompt resends (a chat's history), as (start, end) positions: `start`
     #: is the length of the prompt that generated the reply. Deterministic mode computes their
     #: rows one at a time, as they were generated, so the next turn reuses the reply (exact.py).
+    #: With a store, a reply's end names the partial chunk a lookup by name may end on: where
+    #: another process's entry of that reply ended (`PrefixCache.name`).
     replies: tuple[tuple[int, int], ...] = ()
 
 

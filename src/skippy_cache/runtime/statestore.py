@@ -4,9 +4,13 @@ An entry's state (`llama_state_seq_get_data`) is cut into chunks of token rows
 (stateformat.py): chunk i holds every layer's K and V rows of tokens
 [i*C, (i+1)*C) and is named by the prefix identity at its end, so entries that
 share a prefix share its chunks, and a chunk is found from a prompt alone,
-after a restart too. The rest of an entry, at most C tokens, is its tail,
-named by the entry's own page id; a whole-prompt entry's tail carries its
-first-token logits, so an exact repeat needs no decode even after a restart.
+after a restart too. The rest of an entry, at most C tokens, is its tail. A
+whole-prompt entry's tail carries its first-token logits and is named by the
+entry's own page id, so an exact repeat needs no decode even after a restart.
+Any other entry's tail (prompt and reply, which the next chat turn resends) is
+named like a chunk, by the prefix identity at its end: a prompt told where
+its replies end (`GenerationRequest.replies`) finds it by name too, so
+another replica's next turn reuses the history up to the reply's end.
 
 Which chunks reach disk: those of entries that were reused (a resident hit,
 or a restore from RAM), since a prompt seen once has not earned disk writes;
@@ -77,6 +81,16 @@ class Page:
 
 
 @dataclass(frozen=True, slots=True)
+class _Last:
+    """What ends a run fetched from the shared tier: the whole prompt's tail, or a partial chunk."""
+
+    key: str
+    #: The position its rows end at.
+    ends: int
+    whole: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Fetched:
     """What a restore imports: a payload of `cells` tokens, of which the first `length` are kept."""
 
@@ -137,7 +151,15 @@ class StateStore:
         computed every row up to the chunk's end (exact.py), so a chunk found by
         name is exact for the prompt that asks for it.
         """
-        lengths = list(range(self.chunk_tokens, len(tokens) + 1, self.chunk_tokens))
+        return self.identities_at(space, tokens, range(self.chunk_tokens, len(tokens) + 1, self.chunk_tokens),
+                                  kernels)
+
+    def identities_at(
+        self, space: IdentityKey, tokens: Sequence[int], ends: Iterable[int], kernels: Kernels | None = None
+    ) -> tuple[PrefixIdentity, ...]:
+        """The names of the rows that end at each of `ends` (ascending): a chunk's at a multiple of C,
+        a partial chunk's (an entry's tail, rows from the last multiple of C before it) anywhere else."""
+        lengths = list(ends)
         if not lengths:
             return ()
         if kernels is None:
@@ -148,8 +170,8 @@ class StateStore:
         for n in lengths:
             groups.setdefault(kernels.before(n), []).append(n)
         named: dict[int, PrefixIdentity] = {}
-        for bounds, ends in groups.items():
-            named.update(prefix_identities(rows_key(space, bounds), tokens[: ends[-1]], ends))
+        for bounds, at in groups.items():
+            named.update(prefix_identities(rows_key(space, bounds), tokens[: at[-1]], at))
         return tuple(named[n] for n in lengths)
 
     def _chunk_keys(self, ids: Sequence[PrefixIdentity]) -> list[str]:
@@ -177,8 +199,14 @@ class StateStore:
         n = len(tokens)
         assert isinstance(space, IdentityKey)
         n_chunks = (n - 1) // self.chunk_tokens
-        ids = self.chunk_identities(space, tokens[: n_chunks * self.chunk_tokens], kernels)
-        page = Page(n, tuple(self._chunk_keys(ids)), tail_key(page_id, self.layout_id), logits, durable)
+        ends = [*range(self.chunk_tokens, n_chunks * self.chunk_tokens + 1, self.chunk_tokens)]
+        if logits is None:
+            # No logits: the tail is named like a chunk, by the rows it ends, so a longer prompt
+            # (the next turn of a chat, resending this reply) finds it by name as it finds chunks.
+            ends.append(n)
+        keys = self._chunk_keys(self.identities_at(space, tokens, ends, kernels))
+        tail = keys.pop() if logits is None else tail_key(page_id, self.layout_id)
+        page = Page(n, tuple(keys), tail, logits, durable)
         with self._cv:
             if self._pending_bytes + len(payload) > self.max_pending_bytes:
                 return False
@@ -280,20 +308,33 @@ class StateStore:
             page = self._pages.get(page_id)
         return _logits(page.logits) if page is not None else None
 
-    def probe(self, chunks: Sequence[PrefixIdentity], whole: PrefixIdentity | None) -> tuple[int, Source, bool]:
+    def probe(
+        self, chunks: Sequence[PrefixIdentity], whole: PrefixIdentity | None, tails: Sequence[PrefixIdentity] = ()
+    ) -> tuple[int, Source, bool]:
         keys = self._chunk_keys(chunks)
         with self._cv:
             run, tier = self.chunks.run(keys)
-            complete = False
             if whole is not None and run == len(keys):
                 tail = self.chunks.where(tail_key(whole.page_id, self.layout_id))
                 if tail is not None:
-                    complete, tier = True, slower(tier, tail)
-        return run * self.chunk_tokens, _SOURCE[tier], complete
+                    return run * self.chunk_tokens, _SOURCE[slower(tier, tail)], True
+            for ident in self._tails_after(run, tails):
+                tail = self.chunks.where(self._chunk_keys([ident])[0])
+                if tail is not None:
+                    return ident.token_count, _SOURCE[slower(tier, tail)], False
+        return run * self.chunk_tokens, _SOURCE[tier], False
+
+    def _tails_after(self, run: int, tails: Sequence[PrefixIdentity]) -> list[PrefixIdentity]:
+        """The partial chunks that go on from a run of `run` chunks (their rows start where it ends), longest first."""
+        c = self.chunk_tokens
+        return sorted((t for t in tails if t.token_count % c and t.token_count // c == run),
+                      key=lambda t: -t.token_count)
 
     # -- the engine's side: restores ------------------------------------------------------
 
-    def fetch(self, hit: Hit, chunk_ids: Sequence[PrefixIdentity]) -> Fetched | None:
+    def fetch(
+        self, hit: Hit, chunk_ids: Sequence[PrefixIdentity], tails: Sequence[PrefixIdentity] = ()
+    ) -> Fetched | None:
         """The payload for the first `hit.length` tokens of the hit, read and verified chunk by chunk.
 
         A chunk that is gone or fails its check ends the run there: what comes
@@ -315,6 +356,8 @@ class StateStore:
             if hit.whole:
                 assert hit.page_id is not None
                 keys.append(tail_key(hit.page_id, self.layout_id))
+            elif n % c:
+                keys += self._chunk_keys([t for t in tails if t.token_count == n][:1])
         pieces: list[Chunk] = []
         source = Source.RAM
         with self._cv:
@@ -351,7 +394,12 @@ class StateStore:
     # -- the shared tier -----------------------------------------------------------------
 
     def prefetch(
-        self, chunk_ids: Sequence[PrefixIdentity], whole: PrefixIdentity | None, *, fetch: bool = True
+        self,
+        chunk_ids: Sequence[PrefixIdentity],
+        whole: PrefixIdentity | None,
+        tails: Sequence[PrefixIdentity] = (),
+        *,
+        fetch: bool = True,
     ) -> Prefetched:
         """Bring the chunks of a prompt that only the shared tier holds into RAM, verified (without
         `fetch`: only say what it would bring; `ms` is then the lookup's).
@@ -360,12 +408,16 @@ class StateStore:
         trip asks which chunks past the local run the server holds, then the
         run of them is fetched, each verified before it is kept. A missing or
         refused chunk ends the run. The whole prompt's tail is asked for too,
-        and kept only when every chunk before it is held.
+        and kept only when every chunk before it is held; failing that, the
+        longest of `tails` (partial chunks at the ends of replies the prompt
+        resends) that goes on from the run.
         """
         remote = self.remote
         assert remote is not None
         t0 = time.perf_counter()
-        local, wanted, tail = self._remote_run(chunk_ids, whole)
+        local, wanted, last = self._remote_run(chunk_ids, whole, tails)
+        if last is not None:
+            wanted.append(last.key)
         kept = 0 if fetch else len(wanted)
         for start in range(0, len(wanted) if fetch else 0, _FETCH_CHUNKS):
             batch = wanted[start : start + _FETCH_CHUNKS]
@@ -375,41 +427,52 @@ class StateStore:
             kept += self._adopt(batch, values)
             if kept < start + len(batch):
                 break
-        whole_came = tail is not None and kept == len(wanted) and wanted[-1:] == [tail]
-        chunks = kept - whole_came
+        came = last if last is not None and kept == len(wanted) else None
         c = self.chunk_tokens
-        return Prefetched(local * c, chunks * c, whole_came, (time.perf_counter() - t0) * 1000)
+        tokens = (kept - (came is not None)) * c
+        if came is not None and not came.whole:
+            tokens = came.ends - local * c
+        return Prefetched(local * c, tokens, came is not None and came.whole, (time.perf_counter() - t0) * 1000)
 
     def _remote_run(
-        self, chunk_ids: Sequence[PrefixIdentity], whole: PrefixIdentity | None
-    ) -> tuple[int, list[str], str | None]:
+        self, chunk_ids: Sequence[PrefixIdentity], whole: PrefixIdentity | None, tails: Sequence[PrefixIdentity]
+    ) -> tuple[int, list[str], _Last | None]:
         """The chunks held here from the start (how many), the keys past them that the shared tier
-        holds in one run (the whole prompt's tail last, if it holds every chunk before it), and
-        the tail's key (None: no whole prompt, or held here already). One pipelined round trip."""
+        holds in one run, and what ends the run: the whole prompt's tail if the server holds it and
+        every chunk before it, else the longest partial chunk of `tails` that goes on from the run
+        (None: neither, or held here already). One pipelined round trip."""
         remote = self.remote
         assert remote is not None
+        c = self.chunk_tokens
         keys = self._chunk_keys(chunk_ids)
-        tail = tail_key(whole.page_id, self.layout_id) if whole is not None else None
+        whole_key = tail_key(whole.page_id, self.layout_id) if whole is not None else None
         with self._cv:
             local, _ = self.chunks.run(keys)
-            if tail is not None and tail in self.chunks:
-                tail = None
-        wanted = keys[local:]
-        if tail is not None:
-            wanted.append(tail)
-        if not wanted:
-            return local, [], tail
-        present = remote.present(wanted)
+            if whole_key is not None and whole_key in self.chunks:
+                whole_key = None
+            # Only a tail whose rows start at or past the local run can take a lookup further.
+            partial = [(key, t.token_count) for t in tails if t.token_count % c and t.token_count // c >= local
+                       if (key := self._chunk_keys([t])[0]) not in self.chunks]
+        asked = keys[local:] + ([whole_key] if whole_key is not None else []) + [key for key, _ in partial]
+        if not asked:
+            return local, [], None
+        present = remote.present(asked)
         if present is None:
-            return local, [], tail
-        run = next((i for i, held in enumerate(present) if not held), len(present))
-        if run < len(keys) - local:
-            remote.missed()
-            wanted = wanted[:run]  # a chunk missing mid-run ends it, tail included
-        elif tail is not None and run < len(wanted):
-            remote.missed()
-            wanted = wanted[:-1]
-        return local, wanted, tail
+            return local, [], None
+        n_chunks = len(keys) - local
+        run = next((i for i, held in enumerate(present[:n_chunks]) if not held), n_chunks)
+        last = None
+        if whole is not None and whole_key is not None and run == n_chunks and present[n_chunks]:
+            last = _Last(whole_key, whole.token_count, whole=True)
+        else:
+            if run < n_chunks or whole_key is not None:
+                remote.missed()  # a chunk missing mid-run ends it, the whole prompt's tail included
+            answers = present[n_chunks + (whole_key is not None):]
+            found = [n for (_, n), held in zip(partial, answers, strict=True) if held and n // c == local + run]
+            if found:
+                ends = max(found)
+                last = _Last(next(key for key, n in partial if n == ends), ends, whole=False)
+        return local, keys[local : local + run], last
 
     def _adopt(self, keys: Sequence[str], values: Sequence[bytes | None]) -> int:
         """Keep the leading fetched values that verify; how many were kept."""

@@ -133,17 +133,18 @@ class Generation:
         return list(prompt)
 
     def _chat_prompt(self, messages: list[ChatMessage]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
-        """The messages' prompt tokens, and in deterministic mode where each earlier assistant reply
-        sits in them (`GenerationRequest.replies`)."""
+        """The messages' prompt tokens, and where earlier assistant replies sit in them
+        (`GenerationRequest.replies`): every one in deterministic mode, whose kernels depend on
+        them; the last one in fast mode, where they only name the partial chunk a lookup by name
+        may end on (one render more per request, not one per turn)."""
         try:
             tokens = self._chat_tokens(messages)
         except ChatTemplateError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from None
-        if not self.engine.info.deterministic:
-            return tokens, ()
         replies = []
-        for k, message in enumerate(messages):
-            if k == 0 or message.role != "assistant" or not message.content:
+        for k in reversed(range(1, len(messages))):
+            message = messages[k]
+            if message.role != "assistant" or not message.content:
                 continue
             try:
                 # The reply was generated after the prompt of the messages before it.
@@ -151,7 +152,9 @@ class Generation:
             except ChatTemplateError:
                 continue  # a template may refuse a history cut there: the reply is then not reused
             replies.append((start, start + len(self.engine.tokenize(message.content, add_special=False))))
-        return tokens, tuple(replies)
+            if not self.engine.info.deterministic:
+                break
+        return tokens, tuple(reversed(replies))
 
     def _chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
         text = self.chat.render(messages)
