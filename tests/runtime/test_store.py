@@ -436,15 +436,19 @@ def test_a_write_under_way_when_the_store_is_cleared_leaves_nothing(
 
     sealing, resume = threading.Event(), threading.Event()
     real_seal = statestore.seal
+    writers: list[threading.Thread] = []
 
     def slow_seal(chunk):  # noqa: ANN001, ANN202 - the writer's one call site
-        sealing.set()
-        assert resume.wait(30)
+        # Only this store's writer waits: the engine's own writer seals with the same function.
+        if threading.current_thread() in writers:
+            sealing.set()
+            assert resume.wait(30)
         return real_seal(chunk)
 
     monkeypatch.setattr(statestore, "seal", slow_seal)
     disk = DiskChunks(tmp_path, 1 << 30, reserve_bytes=0)
     store = statestore.StateStore(ChunkStore(1 << 26, disk), layout, CHUNK, max_pending_bytes=1 << 28)
+    writers.append(store._writer)
     written = threading.Event()
     real_write = store._write
 
