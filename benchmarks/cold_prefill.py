@@ -79,10 +79,9 @@ def main() -> None:
     args = parser.parse_args()
     model_path = default_model_path()
     threads = available_cores()
-    skippy = server_command("skippy-cache", free_port(), model_path, CTX)
-    if args.fast:
-        skippy.append("--fast")
-    ours = launch("skippy-cache", "skippy-cache", skippy, args.logs / "skippy.log", int(skippy[skippy.index("--port") + 1]))
+    port = free_port()
+    skippy = server_command("skippy-cache", port, model_path, CTX) + (["--fast"] if args.fast else [])
+    ours = launch("skippy-cache", "skippy-cache", skippy, args.logs / "skippy.log", port)
     port = free_port()
     peer = launch("llama-server", LLAMA_SERVER,
                   server_command(LLAMA_SERVER, port, model_path, CTX, llama_server=args.llama_server),
@@ -98,8 +97,8 @@ def main() -> None:
         prompt_ms: list[float] = []
         for run in range(args.runs):
             tokens = prompt_tokens(model, args.tokens, run)
-            order = list(times)
-            order = order[run % 3 :] + order[: run % 3]
+            labels = list(times)
+            order = labels[run % len(labels) :] + labels[: run % len(labels)]
             for label in order:
                 if label == "library":
                     times[label].append(library(model, tokens, threads))
