@@ -130,6 +130,13 @@ class CellMap:
         held = self._seqs.get(seq)
         return int(held.cells.max()) if held is not None else -1
 
+    def cell_at(self, seq: int, pos: int) -> int:
+        """The cell holding `seq`'s position `pos`, -1 if none."""
+        held = self._seqs.get(seq)
+        if held is None or not held.first <= pos < held.end:
+            return -1
+        return int(held.cells[pos - held.first])
+
     def seq_cells(self, seq: int) -> dict[int, int]:
         """{position: cell} of `seq` (a copy)."""
         held = self._seqs.get(seq)

@@ -155,6 +155,35 @@ class PrefixIndex:
                 stack.extend(n.children.values())
         return found
 
+    def longest_among(self, space: Hashable, tokens: Sequence[int], among: Container[PageId]) -> PrefixMatch | None:
+        """The entry of `among` sharing the most leading tokens with `tokens`, and how many (None: none
+        shares a token). Entries that branched off early count too, unlike in `matches`.
+
+        The subtree where the walk stops shares the most; failing a page of
+        `among` there, each node passed on the way, deepest first, shares its
+        depth with every page at it and in its other branches. Each node is
+        visited once at most.
+        """
+        walk = self._walk(space, tokens)
+        if walk is None:
+            return None
+        node, depth, path = walk
+        found = _find(node, among)
+        if found is not None:
+            return PrefixMatch(depth, found) if depth > 0 else None
+        below = node
+        for n, d in reversed(path):
+            if d == 0:
+                return None
+            found = next((page for page in n.pages if page in among), None)
+            for child in n.children.values():
+                if found is None and child is not below:
+                    found = _find(child, among)
+            if found is not None:
+                return PrefixMatch(d, found)
+            below = n
+        return None
+
     def _walk(self, space: Hashable, tokens: Sequence[int]) -> tuple[_Node, int, list[tuple[_Node, int]]] | None:
         """Follow `tokens` down the space's tree: the node whose subtree shares the most leading
         tokens, how many, and the nodes passed on the way there (with their depth), which
@@ -253,6 +282,18 @@ def _pick(node: _Node, prefer: Container[PageId]) -> PageId:
     chosen = best_preferred or best
     assert chosen is not None, "a node with a positive count holds no page"
     return chosen[1]
+
+
+def _find(node: _Node, among: Container[PageId]) -> PageId | None:
+    """A page of `among` at or below `node`, None if there is none."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for page in n.pages:
+            if page in among:
+                return page
+        stack.extend(n.children.values())
+    return None
 
 
 def _depth(node: _Node) -> int:

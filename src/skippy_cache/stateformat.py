@@ -330,10 +330,14 @@ def join(
     n_tokens: int,
     *,
     seq_id: int = 0,
+    start: int = 0,
 ) -> bytes:
     """A payload for `llama_state_seq_set_data` holding the first `n_tokens` tokens of consecutive chunks.
 
     `n_tokens` must end inside the last chunk given (no chunk wholly past it).
+    The rows sit at positions `start`, `start + 1`, ...: chunks taken from the
+    middle of a sequence import as its later positions, so a sequence whose
+    leading cells are shared with another (`seq_cp`) gets only the rest.
     `seq_id` goes into the header and every cell, as the writer puts it; the
     reader ignores both (flags 0), so any value imports into any sequence. Pass
     the state's own `seq_id` for a byte-exact round trip.
@@ -342,6 +346,8 @@ def join(
         raise StateFormatError(f"n_tokens must be at least 1, got {n_tokens}")
     if not 0 <= seq_id < 2**31:
         raise StateFormatError(f"seq_id {seq_id} is not a sequence id")
+    if not 0 <= start < 2**31 - n_tokens:
+        raise StateFormatError(f"start {start} is not a position for {n_tokens} tokens")
     if not chunks:
         raise StateFormatError("no chunks to join")
     counts = [layout.tokens_in(c) for c in chunks]
@@ -357,7 +363,7 @@ def join(
     takes = counts[:-1] + [n_tokens - (total - counts[-1])]
 
     cells = np.empty((n_tokens, 3), "<i4")
-    cells[:, 0] = np.arange(n_tokens)
+    cells[:, 0] = np.arange(start, start + n_tokens)
     cells[:, 1] = 1
     cells[:, 2] = seq_id
     parts: list[bytes | memoryview] = [_HEAD.pack(IO_MAGIC, seq_id, 1, n_tokens), cells.tobytes()]

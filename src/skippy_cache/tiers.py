@@ -171,6 +171,8 @@ class CacheCounters:
     #: tokens and milliseconds they took; those that read at least one chunk from disk.
     restores: int = 0
     restore_tokens: int = 0
+    #: Of those tokens, the ones a restore shared with a resident entry's cells instead of importing.
+    restore_shared_tokens: int = 0
     restore_ms: float = 0.0
     disk_restores: int = 0
     #: Restores that used chunks fetched from the shared tier.
@@ -292,6 +294,18 @@ class CacheTiers:
         length = -best[0]
         why = reuse_why(length, len(query.tokens)) if length == shared else Why.GRID
         return Hit(best[4], best[3], length, why)
+
+    def resident_base(self, query: Query) -> tuple[PageId, int] | None:
+        """The resident entry that serves the query's prompt exactly for the most leading tokens, and
+        how many (None: none does). A restore that reaches further shares its cells up to there
+        and imports only the rest: a copy of them would share no cell with it and widen the pool."""
+        match = self.index.longest_among(query.space, query.tokens, self.resident)
+        if match is None:
+            return None
+        length = match.length
+        if query.kernels is not None:
+            length = exact_length(length, self.kernels[match.page_id], query.kernels)
+        return match.page_id, length
 
     def _held(self, page_id: PageId, length: int) -> tuple[int, Source]:
         """How many of an indexed page's first `length` tokens a tier holds, and which tier."""

@@ -386,6 +386,22 @@ def test_restore_places_positions_in_payload_order() -> None:
     cells.check_invariants()
 
 
+def test_later_positions_restored_then_joined_to_an_entry_s_leading_cells() -> None:
+    # A restore that extends a resident entry: the lane imports only positions [4, 7), then
+    # joins the entry's cells of [0, 4); those cells stay held by both.
+    cells = CellMap(32)
+    cells.decode([(ENTRY_A, 0, 6)])  # cells 0..5
+    assert cells.restore(LANE0, 3, order=[4, 5, 6]) == [6, 7, 8]
+    cells.seq_cp(ENTRY_A, LANE0, 0, 4)
+    assert cells.seq_cells(LANE0) == {0: 0, 1: 1, 2: 2, 3: 3, 4: 6, 5: 7, 6: 8}
+    assert (cells.cell_at(LANE0, 3), cells.cell_at(LANE0, 6), cells.cell_at(LANE0, 7)) == (3, 8, -1)
+    assert cells.cell_at(LANE1, 0) == -1
+    assert cells.used_cells == 9
+    cells.seq_rm(ENTRY_A)
+    assert cells.used_cells == 7 and cells.pos_max(LANE0) == 6
+    cells.check_invariants()
+
+
 def test_restore_without_room_returns_none_and_leaves_the_sequence_cleared() -> None:
     cells = CellMap(16)
     cells.decode([(LANE0, 0, 10), (LANE1, 0, 4)])

@@ -119,6 +119,17 @@ def test_matches_are_the_longest_sharers_and_the_entries_on_the_way() -> None:
     assert index.matches("other", [1, 2]) == []
 
 
+def test_longest_among_finds_entries_that_branched_off_early() -> None:
+    index = make_index(("long", [1, 2, 3, 4, 5, 6]), ("short", [1, 2, 3, 9]), ("other", [7, 8]))
+    query = [1, 2, 3, 4, 5, 6, 0]
+    assert index.matches("s", query) == [M(6, "long")]
+    assert index.longest_among("s", query, {P("short"), P("other")}) == M(3, "short")
+    assert index.longest_among("s", query, {P("long"), P("short")}) == M(6, "long")
+    assert index.longest_among("s", query, {P("other")}) is None
+    assert index.longest_among("s", [1, 2], {P("short")}) == M(2, "short")
+    assert index.longest_among("elsewhere", query, {P("short")}) is None
+
+
 def test_empty_query_and_empty_index() -> None:
     assert PrefixIndex().longest("s", [1, 2, 3]) is None
     index = make_index(("a", [1, 2, 3]))
@@ -449,6 +460,14 @@ class PrefixIndexMachine(RuleBasedStateMachine):
         }
         found = [(m.length, str(m.page_id)) for m in self.index.matches(space, query, min_length=min_length)]
         assert sorted(found) == sorted(expected)
+        # `longest_among`: the most any entry of `prefer` shares, branched off early or not.
+        among = {p: n for p, n in lengths.items() if p in prefer and n > 0}
+        held = self.index.longest_among(space, query, {P(p) for p in prefer})
+        if not among:
+            assert held is None, f"no entry of {sorted(prefer)} shares a token, got {held}"
+        else:
+            assert held is not None and held.length == max(among.values())
+            assert among.get(str(held.page_id)) == held.length
         if best < max(min_length, 1):
             assert match is None, f"expected no match (best {best}), got {match}"
             return

@@ -366,6 +366,18 @@ def test_partial_join_equals_the_shorter_sequence(v_trans: bool, c: int, m: int)
     assert parse(shorter).n_tokens == m
 
 
+@pytest.mark.parametrize("v_trans", [False, True])
+@pytest.mark.parametrize(("c", "skip", "m"), [(4, 1, 6), (4, 2, 1), (3, 1, 7), (1, 9, 1)])
+def test_chunks_from_the_middle_join_as_the_later_positions(v_trans: bool, c: int, skip: int, m: int) -> None:
+    # What llama.cpp writes for a sequence that holds only positions [skip*c, skip*c + m) of the
+    # same rows: the import puts them back at those positions, after cells shared by seq_cp.
+    pool, p = sample(v_trans, n=10, seq_id=0)
+    chunks = split(parse(p), c)
+    start = skip * c
+    later = write_state(pool, 0, list(range(2 + start, 2 + start + m)))
+    assert join(parse(p).layout, chunks[skip : cuts(start + m, c)], m, start=start) == later
+
+
 def test_join_writes_the_seq_id_it_is_given() -> None:
     pool, p = sample(n=5, seq_id=3)
     s = parse(p)
@@ -392,6 +404,8 @@ def test_join_refuses_misuse() -> None:
         join(s.layout, [b""], 1)
     with pytest.raises(StateFormatError, match="not a sequence id"):
         join(s.layout, chunks, 10, seq_id=-1)
+    with pytest.raises(StateFormatError, match="not a position"):
+        join(s.layout, chunks, 10, start=-1)
     with pytest.raises(StateFormatError, match="at least 1"):
         split(s, 0)
 

@@ -280,3 +280,38 @@ def test_the_next_turn_on_another_replica_reuses_the_reply_to_its_end(redis_serv
     finally:
         for engine in (a, b, c, cold):
             engine.close(drain=False)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_turn_back_on_the_first_replica_shares_its_own_cells(redis_server, deterministic):
+    # Turns alternate between replicas: turn 3 returns to the replica that ran turn 1, whose entry
+    # still holds the conversation's start. The restore of turn 2's history from the shared tier
+    # shares that entry's cells for its whole chunks and imports only the chunks after them.
+    a, b = (replica(redis_server.url, deterministic=deterministic) for _ in range(2))
+    cold = Engine(EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=deterministic,
+                               cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    try:
+        prompt = make_tokens(a, 2 * CHUNK + 90, seed=31)
+        first = a.generate(GenerationRequest(tokens=prompt, max_tokens=8), timeout=300)
+        shared(a)
+        second_prompt = prompt + list(first.tokens) + make_tokens(a, 60, seed=32)[1:]
+        replies = ((len(prompt), len(prompt) + len(first.tokens)),)
+        second = b.generate(GenerationRequest(tokens=second_prompt, max_tokens=8, replies=replies), timeout=300)
+        shared(b)
+        third_prompt = second_prompt + list(second.tokens) + make_tokens(a, 60, seed=33)[1:]
+        replies += ((len(second_prompt), len(second_prompt) + len(second.tokens)),)
+        before = a.stats().cache.counters
+        third = ask(a, third_prompt, replies=replies)
+        counters = a.stats().cache.counters
+        assert (third.stats.cache_source, third.stats.cached_tokens) == ("remote", len(second_prompt) + 7)
+        assert counters.restore_shared_tokens - before.restore_shared_tokens == 2 * CHUNK
+        reference = ask(cold, third_prompt, replies=replies)
+        if deterministic:
+            assert_bit_exact(third, reference, "turn 3 back on the first replica")
+            assert a.stats().placement.unaligned_steps == 0
+        else:
+            assert_logits_close(third.first_logits, reference.first_logits, "turn 3 back on the first replica")
+        assert a.invariant_failures == []
+    finally:
+        for engine in (a, b, cold):
+            engine.close(drain=False)

@@ -368,6 +368,40 @@ def test_deterministic_chunk_names_tell_rows_computed_one_at_a_time_from_tiled_o
     assert_bit_exact(on, off, "a prompt that tiles another's reply")
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_restore_that_goes_on_from_a_resident_entry_imports_only_the_rest(deterministic: bool) -> None:
+    # A resident entry holds the first 300 tokens of a page the store holds whole: a restore of the
+    # page shares the entry's cells for its whole chunks and imports only the chunks after them,
+    # and the rows it gives are the cold run's.
+    warm = Engine(config(None, deterministic=deterministic, idle_tokens=0))
+    cold = Engine(config(None, deterministic=deterministic, cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    try:
+        long = make_tokens(warm, 600, seed=95)
+        run(warm, long)
+        demote_unpinned(warm)
+        short = long[:300] + make_tokens(warm, 20, seed=96)[1:]
+        assert run(warm, short).stats.cache_source == "ram"  # from the page, onto fresh cells
+        before = warm.stats()
+        prompt = long + make_tokens(warm, 30, seed=97)[1:]
+        on = run(warm, prompt, max_tokens=6)
+        after = warm.stats()
+        assert (on.stats.cache_source, on.stats.cached_tokens) == ("ram", len(long))
+        shared = after.cache.counters.restore_shared_tokens - before.cache.counters.restore_shared_tokens
+        assert shared == 2 * CHUNK
+        # The lane held the entry's cells and its own: the restore added only the rest.
+        assert after.cache.counters.restores == before.cache.counters.restores + 1
+        off = run(cold, prompt, max_tokens=6)
+        if deterministic:
+            assert_bit_exact(on, off, "a restore that goes on from a resident entry")
+            assert warm.stats().placement.unaligned_steps == 0
+        else:
+            assert_logits_close(on.first_logits, off.first_logits, "a restore that goes on from a resident entry")
+        assert warm.invariant_failures == []
+    finally:
+        warm.close()
+        cold.close()
+
+
 def test_without_a_store_idle_entries_stay_resident() -> None:
     engine = Engine(config(None, host_cache_bytes=0, lanes=2))
     try:

@@ -70,13 +70,14 @@ class CellPool:
         """The sequence's exact state (`llama_state_seq_get_data`)."""
         return self.ctx.state_seq_get(seq_id)
 
-    def restore(self, seq_id: int, payload: bytes | bytearray, n: int) -> bool:
-        """Import a state of positions [0, n) into an empty sequence; False (and nothing held) if refused."""
-        if not self.ctx.state_seq_set(seq_id, payload) or self.ctx.seq_pos_max(seq_id) != n - 1:
+    def restore(self, seq_id: int, payload: bytes | bytearray, n: int, start: int = 0) -> bool:
+        """Import a state of positions [start, start + n) into an empty sequence; False (and nothing
+        held) if refused."""
+        if not self.ctx.state_seq_set(seq_id, payload) or self.ctx.seq_pos_max(seq_id) != start + n - 1:
             # Refused (no room, bad bytes) or not the state the books promised.
             self.ctx.seq_rm(seq_id, -1, -1)
             return False
-        if self.cells.restore(seq_id, n) is None:
+        if self.cells.restore(seq_id, n, range(start, start + n) if start else None) is None:
             raise RuntimeError(f"llama.cpp restored {n} cells into seq {seq_id} where the mirror has no room for them")
         return True
 

@@ -237,13 +237,16 @@ class PrefixCache:
 
     def plan(self, lane: Lane) -> Hit:
         """What the lane would reuse, from where, and why not more. Changes nothing."""
+        return self.tiers.plan(self._query(lane))
+
+    def _query(self, lane: Lane) -> Query:
         request = lane.request
         prefix = request.tokens[: lane.prefill_end]
         refused = self._refusal(request)
         whole = lane.prompt_identity if refused is None else None
         kernels = lane.kernels if self.deterministic else None
-        return self.tiers.plan(Query(lane.space, prefix, whole=whole, kernels=kernels, chunks=lane.chunk_ids,
-                                     tails=lane.tail_ids, refused=refused))
+        return Query(lane.space, prefix, whole=whole, kernels=kernels, chunks=lane.chunk_ids,
+                     tails=lane.tail_ids, refused=refused)
 
     def apply(self, hit: Hit, lane: Lane) -> Hit:
         """Put the hit on the lane's (empty) sequence; returns what is on it.
@@ -526,6 +529,8 @@ class PrefixCache:
     def _restore(self, hit: Hit, lane: Lane) -> Hit | bool | None:
         """Restore the hit from the store onto the lane's empty sequence; the hit as restored.
 
+        Where a resident entry holds the hit's leading chunks, the lane shares
+        its cells (`seq_cp`) and imports only the chunks after them.
         None when the pool has no room for it (the store keeps it); False when
         the store could not give it (a chunk gone or quarantined) or llama.cpp
         refused it (the page is dropped).
@@ -533,37 +538,60 @@ class PrefixCache:
         store = self.store
         assert store is not None
         t0 = time.perf_counter()
-        fetched = store.fetch(hit, lane.chunk_ids, lane.tail_ids)
+        base = self._base(hit, lane)
+        fetched = store.fetch(hit, lane.chunk_ids, lane.tail_ids, base[1] // store.chunk_tokens if base else 0)
         if fetched is None or fetched.length < self.tiers.min_tokens:
             self._forget_store_pages(store.prune())
             return False
+        entry = self.tiers.resident.touch(base[0]) if base is not None and fetched.start else None
         if not self.make_room(fetched.cells):
             return None
-        if not self.placement.place_import(lane.seq_id, fetched.cells, self.evict_one):
+        # The imported rows go after the shared ones, in position order (deterministic mode).
+        after = self.pool.cells.cell_at(entry.seq_id, fetched.start - 1) if entry is not None else -1
+        if not self.placement.place_import(lane.seq_id, fetched.cells, self.evict_one, after, fetched.start):
             # Off the block grid the rows would not be what the cold run computes.
             self.placement.clear_pads()
             return None
-        restored = self.pool.restore(lane.seq_id, fetched.payload, fetched.cells)
+        if entry is not None and self.tiers.resident.peek(entry.page_id) != entry:
+            # Making room evicted the entry itself (the pool holds little else): import it all.
+            self.placement.clear_pads()
+            return self._restore(hit, lane)
+        restored = self.pool.restore(lane.seq_id, fetched.payload, fetched.cells, fetched.start)
         self.placement.clear_pads()
         if not restored:
             if hit.page_id is not None:
                 store.discard(hit.page_id)
                 self.tiers.forget_if_gone(hit.page_id)
             return False
-        if fetched.cells > fetched.length:
+        if fetched.start + fetched.cells > fetched.length:
             self.pool.trim(lane.seq_id, fetched.length)
+        if entry is not None:
+            self.pool.copy(entry.seq_id, lane.seq_id, fetched.start)
+            self._reused.add(entry.page_id)
         ms = (time.perf_counter() - t0) * 1000
         lane.restore_ms += ms
         self.costs.restored(fetched.source, fetched.cells, ms)
         c = self.counters
         c.restores += 1
         c.restore_tokens += fetched.length
+        c.restore_shared_tokens += fetched.start
         c.restore_ms += ms
         c.disk_restores += fetched.source is Source.DISK
         if fetched.length < hit.length:
             # A chunk failed its check on the way: what came before it is still exact.
             return Hit(fetched.source, hit.page_id, fetched.length, Why.DIVERGED)
         return replace(hit, logits=fetched.logits if hit.whole else None)
+
+    def _base(self, hit: Hit, lane: Lane) -> tuple[PageId, int] | None:
+        """The resident entry whose cells a restore of the hit shares, and how many of its leading
+        tokens (whole chunks, short of the hit); None if none does."""
+        assert self.store is not None
+        base = self.tiers.resident_base(self._query(lane))
+        if base is None:
+            return None
+        c = self.store.chunk_tokens
+        shared = min(base[1], hit.length - 1) // c * c
+        return (base[0], shared) if shared > 0 else None
 
     def _demote(self, eviction: ResidentEviction) -> None:
         """Export an evicted entry's state to the store (if there is one), then drop its cells."""

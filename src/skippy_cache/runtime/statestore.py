@@ -92,9 +92,11 @@ class _Last:
 
 @dataclass(frozen=True, slots=True)
 class Fetched:
-    """What a restore imports: a payload of `cells` tokens, of which the first `length` are kept."""
+    """What a restore imports: a payload of `cells` tokens at positions [start, start + cells), of
+    which those before `length` are kept."""
 
     payload: bytes | bytearray
+    start: int
     cells: int
     length: int
     source: Source
@@ -333,26 +335,32 @@ class StateStore:
     # -- the engine's side: restores ------------------------------------------------------
 
     def fetch(
-        self, hit: Hit, chunk_ids: Sequence[PrefixIdentity], tails: Sequence[PrefixIdentity] = ()
+        self, hit: Hit, chunk_ids: Sequence[PrefixIdentity], tails: Sequence[PrefixIdentity] = (), skip: int = 0
     ) -> Fetched | None:
-        """The payload for the first `hit.length` tokens of the hit, read and verified chunk by chunk.
+        """The payload for the hit's tokens from the `skip`-th chunk on (those before it are resident
+        already) to `hit.length`, read and verified chunk by chunk.
 
         A chunk that is gone or fails its check ends the run there: what comes
-        before it is returned (a shorter hit), None if nothing is left.
+        before it is returned (a shorter hit), None if nothing is left past
+        the skipped chunks. A page not yet cut into chunks is one payload: it
+        comes whole, from position 0, whatever `skip` says.
         """
         c = self.chunk_tokens
         with self._cv:
             page = self._pages.get(hit.page_id) if hit.page_id is not None else None
             pending = self._pending.get(hit.page_id) if hit.page_id is not None else None
         if page is not None and pending is not None:
-            return Fetched(pending, page.token_count, hit.length, Source.RAM, _logits(page.logits))
+            return Fetched(pending, 0, page.token_count, hit.length, Source.RAM, _logits(page.logits))
         n = hit.length
+        start = skip * c
+        if not 0 <= start < n:
+            raise ValueError(f"skip={skip} chunks leaves nothing of a {n}-token hit")
         if page is not None:
-            keys = list(page.chunk_keys[: -(-n // c)])
+            keys = list(page.chunk_keys[skip : -(-n // c)])
             if n > len(page.chunk_keys) * c:
                 keys.append(page.tail_key)
         else:
-            keys = self._chunk_keys(chunk_ids[: n // c])
+            keys = self._chunk_keys(chunk_ids[skip : n // c])
             if hit.whole:
                 assert hit.page_id is not None
                 keys.append(tail_key(hit.page_id, self.layout_id))
@@ -372,24 +380,24 @@ class StateStore:
                     source = Source.DISK
         if len(pieces) < len(keys):
             # Every chunk before the one that failed is a full one (only the tail is short).
-            length = len(pieces) * c
+            length = start + len(pieces) * c
         else:
-            length = min(n, sum(p.tokens for p in pieces))
-        if length == 0:
+            length = min(n, start + sum(p.tokens for p in pieces))
+        if length == start:
             return None
         try:
-            payload = join(self.layout, [p.payload for p in pieces], length)
+            payload = join(self.layout, [p.payload for p in pieces], length - start, start=start)
         except StateFormatError:
             log.exception("store: chunks that passed their checks do not join; serving a miss")
             return None
-        cells = length
+        cells = length - start
         logits = None
         if hit.whole and length == n and pieces[-1].logits is not None:
             logits = _logits(pieces[-1].logits)
         elif hit.whole:
             # Without its logits a whole prompt is reused up to its last token, which is decoded.
             length = min(length, n - 1)
-        return Fetched(payload, cells, length, source, logits)
+        return Fetched(payload, start, cells, length, source, logits)
 
     # -- the shared tier -----------------------------------------------------------------
 

@@ -14,7 +14,8 @@ are filled with pads of a spare sequence:
   lands each lane's rows past that lane's own last cell; the engine orders a
   step's lanes by their last cells, so lanes low in the pool stay low;
 - a state restored from the store onto an empty lane lands on an aligned run,
-  as the whole blocks it holds did when they were computed;
+  as the whole blocks it holds did when they were computed (past the cells it
+  shares with a resident entry, when it goes on from one);
 - a lane with no free cells past its own (lanes climb the pool as they grow)
   is moved down: exported, and imported back onto an aligned run.
 The pads are freed after the step's decode (engine.py) or the import. They are imported,
@@ -57,8 +58,11 @@ class Placement(Protocol):
     def before_decode(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> None:
         """Pad so that the step's `n_tokens` land where they must."""
 
-    def place_import(self, seq_id: int, n_cells: int, evict_one: Callable[[], bool]) -> bool:
-        """Pad so that `n_cells` imported onto the empty `seq_id` land where they must; False if they cannot."""
+    def place_import(
+        self, seq_id: int, n_cells: int, evict_one: Callable[[], bool], after: int = -1, start: int = 0
+    ) -> bool:
+        """Pad so that `n_cells` of positions from `start` imported onto the empty `seq_id` land where
+        they must, past cell `after` (the shared cells they go on from); False if they cannot."""
 
     def clear_pads(self) -> None:
         """Free the pads once the import is done."""
@@ -73,7 +77,9 @@ class FreePlacement:
     def before_decode(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> None:
         pass
 
-    def place_import(self, seq_id: int, n_cells: int, evict_one: Callable[[], bool]) -> bool:
+    def place_import(
+        self, seq_id: int, n_cells: int, evict_one: Callable[[], bool], after: int = -1, start: int = 0
+    ) -> bool:
         return True
 
     def clear_pads(self) -> None:
@@ -94,13 +100,16 @@ class AlignedPlacement:
         if not self._steer(planned, n_tokens, evict_one):
             self.stats.unaligned_steps += 1
 
-    def place_import(self, seq_id: int, n_cells: int, evict_one: Callable[[], bool]) -> bool:
-        """A restore of positions [0, n_cells) lands on an aligned run, as a chunk of whole blocks would.
+    def place_import(
+        self, seq_id: int, n_cells: int, evict_one: Callable[[], bool], after: int = -1, start: int = 0
+    ) -> bool:
+        """A restore of positions [start, start + n_cells) lands on an aligned run past cell `after`,
+        as a chunk of whole blocks would.
 
         False when it cannot: the caller then prefills instead (a restore
         refused is counted as a miss for want of room, not as an unaligned step).
         """
-        return self._land_import(n_cells, 0, evict_one)
+        return self._land_import(n_cells, 0, evict_one, after, start)
 
     def clear_pads(self) -> None:
         if self.pool.cells.seq_len(self.pad_seq):
@@ -153,12 +162,14 @@ class AlignedPlacement:
         self.stats.relocations += 1
         return placed
 
-    def _land_import(self, n_cells: int, room: int, evict_one: Callable[[], bool]) -> bool:
-        """Pad so that positions [0, n_cells) imported onto an empty sequence land on the lowest
-        aligned run of free cells with `room` more free after it, evicting entries until there is
-        one; False if there is none even then."""
+    def _land_import(
+        self, n_cells: int, room: int, evict_one: Callable[[], bool], after: int = -1, start: int = 0
+    ) -> bool:
+        """Pad so that positions [start, start + n_cells) imported onto an empty sequence land on the
+        lowest aligned run of free cells past `after` with `room` more free after it, evicting
+        entries until there is one; False if there is none even then."""
         cells = self.pool.cells
-        while (target := aligned_target(cells, -1, 0, n_cells + room)) is None:
+        while (target := aligned_target(cells, after, start, n_cells + room)) is None:
             if not evict_one():
                 return False
         return self._pad_until(lambda: pad_needed(cells, target, n_cells))

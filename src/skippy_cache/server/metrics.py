@@ -136,6 +136,10 @@ class EngineCollector(Collector):
                 "Restores that used chunks fetched from the shared tier", n.remote_restores
             ),
             "skippy_cache_restored_tokens": ("Tokens restored from the store", n.restore_tokens),
+            "skippy_cache_restore_shared_tokens": (
+                "Of the tokens restored, those shared with a resident entry's cells rather than imported",
+                n.restore_shared_tokens,
+            ),
             "skippy_cache_restore_seconds": ("Time spent restoring from the store", n.restore_ms / 1000),
             "skippy_cache_demotions": ("Evicted entries whose state went to the store", n.demotions),
             "skippy_cache_store_drops": (
