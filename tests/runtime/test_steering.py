@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -97,48 +96,3 @@ def test_a_lane_with_no_room_past_its_cells_moves_down_the_grid(engine):
     assert engine.placement.stats.relocations - before == 1
     assert engine.placement.stats.unaligned_steps == 0
     engine.pool.cells.check_invariants()
-
-
-def test_idle_entries_left_high_move_down_and_still_hit_bit_for_bit():
-    # The entry recorded first sits lowest and leaves first; the one above it stays high over free
-    # cells, widening every step's view. An idle engine moves it (with the entry of its reply,
-    # which shares its cells) down onto the grid where it fits below its cells, and a hit on it
-    # is still the cold run's.
-    from exactmode import assert_bit_exact
-    from prompts import make_tokens
-
-    from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
-    from skippy_cache.runtime.requests import GenerationRequest
-
-    def config(**kw):
-        return EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=True, check_invariants=True, **kw)
-
-    warm = Engine(config())
-    cold = Engine(config(cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
-    try:
-        low, high = make_tokens(warm, 500, seed=61), make_tokens(warm, 300, seed=62)
-        for prompt in (low, high):
-            warm.generate(GenerationRequest(tokens=prompt, max_tokens=4))
-        entries = warm.call(lambda: [e.seq_id for e in warm.cache.tiers.resident.entries()])
-        assert len(entries) == 4  # each prompt, and each prompt with its reply
-        first_cell = warm.call(lambda: warm.pool.cells.cell_at(entries[-1], 0))
-        assert first_cell >= len(low)
-        before = warm.stats().placement.compactions
-        assert warm.call(lambda: warm.cache.evict_one() and warm.cache.evict_one())  # the low prompt's two
-        deadline = time.monotonic() + 30
-        while warm.stats().placement.compactions == before:
-            assert time.monotonic() < deadline, "the idle engine never moved the entries down"
-            time.sleep(0.05)
-        assert warm.call(lambda: warm.pool.cells.cell_at(entries[-1], 0)) == 0
-        assert warm.call(lambda: warm.pool.cells.view) < first_cell + len(high)
-        prompt = high + make_tokens(warm, 40, seed=63)[1:]
-        on = warm.generate(GenerationRequest(tokens=prompt, max_tokens=6, keep_first_logits=True))
-        off = cold.generate(GenerationRequest(tokens=prompt, max_tokens=6, keep_first_logits=True))
-        # The cold run computes rows 256..299 tiled with the new ones: the hit stops on the grid.
-        assert (on.stats.cache_source, on.stats.cached_tokens) == ("resident", 256)
-        assert_bit_exact(on, off, "a hit on entries moved down")
-        assert warm.stats().placement.unaligned_steps == 0
-        assert warm.invariant_failures == []
-    finally:
-        warm.close()
-        cold.close()

@@ -137,8 +137,6 @@ class Engine:
         # deterministic mode's placement pads), freed after each decode.
         self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
                                      fill_tokens=config.fill_tokens, pad_seq=config.lanes)
-        # The second spare, if the lanes leave one: where entries moved down land first (steering.py).
-        self._spare_seq = config.lanes + 1 if config.lanes + 1 < budgets.reserved_seq_count else None
         self.placement: Placement = (AlignedPlacement(self.pool, self._builder.pad_seq, parse(warm_state).layout)
                                      if det else FreePlacement())
         # Deterministic mode demotes entries only when their cells are needed: a
@@ -425,7 +423,7 @@ class Engine:
             with self._cv:
                 # Closing waits for requests still prefetching: they were accepted.
                 while (self.scheduler.idle and not self._calls and not self.cache.persist_left
-                       and not self.cache.compact_left and not (self._closing and not self._prefetching)):
+                       and not (self._closing and not self._prefetching)):
                     self._cv.wait()
                 if self._closing and self.scheduler.idle and not self._calls and not self._prefetching:
                     return
@@ -433,9 +431,7 @@ class Engine:
             self._run_calls()
             if idle:
                 # No request runs: time for work that must never hold up a decode.
-                if not self.cache.persist_one() and self.cache.compact_left:
-                    # Every lane's sequence is empty now: lane 0's serves as the move's spare.
-                    self.cache.compact_one(self._spare_seq if self._spare_seq is not None else 0)
+                self.cache.persist_one()
                 self._publish()
                 continue
             try:
@@ -503,8 +499,6 @@ class Engine:
         for item in planned:
             self._after_decode(item)
         self.cache.shed_idle()
-        if self._spare_seq is not None and self.cache.compact_left:
-            self.cache.compact_one(self._spare_seq)
         if self.cache.shares:
             # New entries reach the shared tier while this replica still holds them.
             self.cache.persist_one()

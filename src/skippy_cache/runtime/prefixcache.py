@@ -149,8 +149,6 @@ class PrefixCache:
         self._to_persist: dict[PageId, None] = {}
         #: Resident pages reused at least once: their chunks belong on disk when they leave.
         self._reused: set[PageId] = set()
-        #: A lane ended or entries left since `compact_one` last found nothing to move.
-        self._compact = False
 
     # -- a new lane: plan -> apply -> settle ---------------------------------------
 
@@ -346,7 +344,6 @@ class PrefixCache:
         replica as soon as this reply ends. The future completes when it is
         there (or the tier gave up on it); the engine ends the request then.
         """
-        self._compact = True
         if not (self.mode.records and lane.request.record):
             return None
         longest = lane.prompt_identity
@@ -448,39 +445,6 @@ class PrefixCache:
         self.counters.idle_evictions += len(evicted)
         self._forget(evicted)
         return len(evicted)
-
-    def compact_one(self, spare: int) -> bool:
-        """Move the entries highest in the pool down into free cells below them (deterministic mode;
-        `spare` is an empty sequence id); False when they cannot move.
-
-        The group moved is the top entry and every entry sharing cells with it
-        (a prompt and the prompt with its reply): they move together or not at
-        all, and not while a lane shares their cells.
-        """
-        if not isinstance(self.placement, AlignedPlacement):
-            return False
-        cells = self.pool.cells
-        if cells.view - cells.used_cells < _COMPACT_SLACK:
-            self._compact = False
-            return False
-        seqs = [entry.seq_id for entry in self.tiers.resident.entries()]
-        if not seqs:
-            return False
-        held = {seq: set(cells.seq_cells(seq).values()) for seq in seqs}
-        top = max(seqs, key=cells.last_cell)
-        group, union = {top}, set(held[top])
-        while grown := [seq for seq in seqs if seq not in group and not union.isdisjoint(held[seq])]:
-            group.update(grown)
-            for seq in grown:
-                union |= held[seq]
-        moved = self.placement.move_down(sorted(group), spare)
-        self._compact = moved
-        return moved
-
-    @property
-    def compact_left(self) -> bool:
-        """Entries may have been left high above free cells since the last `compact_one` that failed."""
-        return self._compact and self.deterministic
 
     def drop_resident(self) -> int:
         """Free every resident entry's cells (demoting them): the last resort before failing a decode."""
@@ -685,7 +649,6 @@ class PrefixCache:
         """After the resident books let entries go: the index and logits follow, and the miss book
         remembers them as ghosts."""
         now = time.monotonic()
-        self._compact = self._compact or bool(evictions)
         for eviction in evictions:
             entry = self._entries.pop(eviction.page_id, None)
             if entry is not None:
@@ -693,10 +656,6 @@ class PrefixCache:
             self._to_persist.pop(eviction.page_id, None)
             self._reused.discard(eviction.page_id)
             self.tiers.forget_if_gone(eviction.page_id)
-
-
-#: Free cells below the view's top worth a move: fewer narrow each step too little to pay for one.
-_COMPACT_SLACK = 512
 
 
 def _namespace_digest(namespace: str | None) -> str:

@@ -17,9 +17,7 @@ are filled with pads of a spare sequence:
   as the whole blocks it holds did when they were computed (past the cells it
   shares with a resident entry, when it goes on from one);
 - a lane with no free cells past its own (lanes climb the pool as they grow)
-  is moved down: exported, and imported back onto an aligned run;
-- when no request runs, the entries highest in the pool move down into free
-  cells below them (`move_down`), so the view narrows again.
+  is moved down: exported, and imported back onto an aligned run.
 The pads are freed after the step's decode (engine.py) or the import. They are imported,
 not computed: a state of zeroed rows goes in through
 `llama_state_seq_set_data`, which places its cells exactly where a decode of
@@ -33,8 +31,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
-
-import numpy as np
 
 from skippy_cache.placement import ALIGN, aligned_target, order_pad, pad_needed
 from skippy_cache.runtime.batching import Planned
@@ -54,8 +50,6 @@ class PlacementStats:
     unaligned_steps: int = 0
     #: Lanes moved down the pool (exported, imported on the grid) for want of room past their cells.
     relocations: int = 0
-    #: Groups of idle entries moved down into free cells below them, to narrow the KV view.
-    compactions: int = 0
 
 
 class Placement(Protocol):
@@ -146,51 +140,6 @@ class AlignedPlacement:
         return self._pad_until(
             lambda: order_pad(cells, [(cells.last_cell(p.lane.seq_id), p.p1 - p.p0) for p in planned], n_tokens)
         )
-
-    def move_down(self, group: list[int], spare: int) -> bool:
-        """Move a group of sequences to the lowest aligned run of free cells below them; False (and
-        nothing changed) when there is none, or the group is not one sequence and prefixes of it.
-
-        Lanes climb the pool and idle entries low in it leave first, so the
-        entries that remain end up high above free cells, and every step's KV
-        view (cell 0 to the highest used cell) stays as wide as they are high.
-        The longest sequence of the group is imported onto the spare (empty)
-        sequence at the new cells, then every member joins them (`seq_cp`)
-        and leaves its old ones: the same rows, in position order, on the
-        grid, so every later hit computes as it would have there.
-        """
-        cells = self.pool.cells
-        longest = max(group, key=cells.seq_len)
-        n = cells.seq_len(longest)
-        held = cells.seq_cells(longest)
-        if cells.pos_max(longest) != n - 1 or cells.seq_len(spare):
-            return False
-        for seq in group:
-            mine = cells.seq_cells(seq)
-            if any(held.get(pos) != cell for pos, cell in mine.items()) or cells.pos_max(seq) != len(mine) - 1:
-                return False  # not a prefix of the longest on its cells: moving it would copy it
-        sharers = np.zeros(cells.n_cells, np.int32)
-        for seq in group:
-            np.add.at(sharers, list(cells.seq_cells(seq).values()), 1)
-        if np.any(cells.holders[sharers > 0] != sharers[sharers > 0]):
-            return False  # a lane (or another entry) holds some of its cells: they would not be freed
-        target = aligned_target(cells, -1, 0, n)
-        if target is None or target >= min(held.values()):
-            return False
-        state = self.pool.export(longest)
-        placed = self._pad_until(lambda: pad_needed(cells, target, n)) and self.pool.restore(spare, state, n)
-        self.clear_pads()
-        if not placed or cells.cell_at(spare, 0) != target:
-            if cells.seq_len(spare):
-                self.pool.free(spare)
-            return False
-        for seq in group:
-            length = cells.seq_len(seq)
-            self.pool.free(seq)
-            self.pool.copy(spare, seq, length)
-        self.pool.free(spare)
-        self.stats.compactions += 1
-        return True
 
     def _relocate(self, seq_id: int, room: int, evict_one: Callable[[], bool]) -> bool:
         """Move a lane's cells to the lowest aligned run of free cells with `room` more free after it,
