@@ -181,10 +181,12 @@ def test_replicas_workload_shares_state_through_redis(tmp_path: Path) -> None:
         assert len(ms) == per_configuration, name
         assert {m["replica"] for m in ms} == servers, name  # round-robin over the configuration's servers
         assert all(m["cache_source"] is not None for m in ms)
+        assert all(m["restore_ms"] is not None and m["restore_ms"] >= 0 for m in ms)
 
     # Tenants' second rounds land on the other replica: with the shared tier, some restore from it.
     shared = [m for m in measured if m["target"] == "shared"]
     assert any(m["cache_source"] == "remote" for m in shared)
+    assert all(m["restore_ms"] > 0 for m in shared if m["cache_source"] == "remote")
     assert not any(m["cache_source"] == "remote" for m in measured if m["target"] != "shared")
     figs = {f["name"]: f["values"] for f in doc["figures"] if f["workload"] == REPLICAS}
     assert figs["tenants later rounds: cached share"]["shared"] > 0

@@ -36,6 +36,8 @@ class Reply:
     error: str | None = None
     #: skippy-cache's `skippy_cache.source` (None: the server does not say).
     cache_source: str | None = None
+    #: skippy-cache's `skippy_cache.restore_ms`: what its restore took of the TTFT (None: not said).
+    restore_ms: float | None = None
 
 
 class BenchClient:
@@ -101,6 +103,7 @@ class _StreamState:
         self.usage: dict[str, Any] | None = None
         self.cache_n: int | None = None
         self.cache_source: str | None = None
+        self.restore_ms: float | None = None
         self.error: str | None = None
         self.done = False
 
@@ -123,6 +126,8 @@ class _StreamState:
         answer = chunk.get("skippy_cache")
         if isinstance(answer, dict) and isinstance(answer.get("source"), str):
             self.cache_source = answer["source"]
+        if isinstance(answer, dict) and isinstance(answer.get("restore_ms"), (int, float)):
+            self.restore_ms = float(answer["restore_ms"])
         timings = chunk.get("timings")
         if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
             self.cache_n = timings["cache_n"]
@@ -162,4 +167,5 @@ class _StreamState:
             cached,
             usage.get("completion_tokens"),
             cache_source=self.cache_source,
+            restore_ms=self.restore_ms,
         )

@@ -84,6 +84,8 @@ class Measurement:
     cache_source: str | None = None
     #: The replicas workload: which of the configuration's servers answered (0-based).
     replica: int | None = None
+    #: skippy-cache's own restore time within the TTFT (`skippy_cache.restore_ms`; None: not said).
+    restore_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -164,6 +166,7 @@ class Run:
                 reply.error,
                 reply.cache_source,
                 replica,
+                reply.restore_ms,
             )
         )
         self.on_request(workload, target.label, reply)
