@@ -133,8 +133,9 @@ class Engine:
         identity_key = IdentityKey.from_stage(stage, model_digest=gguf.digest, runtime_abi=runtime_abi())
         self._batch = Batch(config.n_batch)
         # The seed reserves two sequence ids per lane; the ids past the lanes
-        # are spare: the first holds a step's pads (a one-row step's pad row, and
-        # deterministic mode's placement pads), freed after each decode.
+        # are spare: the first holds a step's pads (a one-row step's pad row, freed
+        # after its decode, and deterministic mode's placement pads, kept while
+        # lanes run: steering.py).
         self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
                                      fill_tokens=config.fill_tokens, pad_seq=config.lanes)
         self.placement: Placement = (AlignedPlacement(self.pool, self._builder.pad_seq, parse(warm_state).layout)
@@ -459,6 +460,13 @@ class Engine:
 
     def step(self) -> bool:
         """One schedule -> decode -> post-process round; False when there was nothing to do."""
+        try:
+            return self._step()
+        finally:
+            if self.scheduler.idle:
+                self.placement.clear_pads()  # kept between steps only while lanes run
+
+    def _step(self) -> bool:
         self._reap_cancelled()
         self._admit()
         for lane in self.joins.poll(self.scheduler.lanes):
@@ -479,18 +487,20 @@ class Engine:
             return True
         self.placement.before_decode(planned, n_tokens, self.cache.evict_one)
         runs = [(p.lane.seq_id, p.p0, p.p1) for p in planned]
+        pad_row = self.pool.cells.pos_max(pad_seq) + 1
         if self._builder.needs_pad:
             # After the placement's pads, which the pad row's sequence also holds.
-            runs.append(self._builder.add_pad_row(self.pool.cells.pos_max(pad_seq) + 1))
+            runs.append(self._builder.add_pad_row(pad_row))
         t0 = time.perf_counter()
         status = self.pool.decode(self._batch, runs)
         if status == 1 and self.cache.drop_resident():
             # No slot despite the mirror's count (fragmentation or padding):
             # drop the cache rather than a request, and try once more.
             status = self.pool.decode(self._batch, runs)
-        if self.pool.cells.seq_len(pad_seq):
-            self.pool.free(pad_seq)
+        if self._builder.needs_pad and status == 0:
+            self.pool.trim(pad_seq, pad_row)
         if status != 0:
+            self.placement.clear_pads()
             self._decode_failures += 1
             self._fail_lanes([p.lane for p in planned], f"llama_decode failed with status {status}")
             return True

@@ -417,6 +417,8 @@ class PrefixCache:
 
     def make_room(self, cells: int) -> bool:
         """Evict (demote) LRU entries until `cells` are free; False if the cache alone cannot free them."""
+        if self.pool.free_cells < cells:
+            self.placement.clear_pads()  # placement pads are free cells to the books
         while self.pool.free_cells < cells:
             if not self.evict_one():
                 return False

@@ -18,7 +18,11 @@ are filled with pads of a spare sequence:
   shares with a resident entry, when it goes on from one);
 - a lane with no free cells past its own (lanes climb the pool as they grow)
   is moved down: exported, and imported back onto an aligned run.
-The pads are freed after the step's decode (engine.py) or the import. They are imported,
+The pads of an import are freed after it. Those of a step stay while lanes
+run (the engine frees them when it idles, and the books count them as free
+cells: `make_room` frees them first): freed after every step, they would
+hand the allocator back the very cells the next step's rows must skip, and
+every decode row would cost a pad import of them again. They are imported,
 not computed: a state of zeroed rows goes in through
 `llama_state_seq_set_data`, which places its cells exactly where a decode of
 as many tokens would. No other sequence attends to them, so their rows never
@@ -109,6 +113,7 @@ class AlignedPlacement:
         False when it cannot: the caller then prefills instead (a restore
         refused is counted as a miss for want of room, not as an unaligned step).
         """
+        self.clear_pads()
         return self._land_import(n_cells, 0, evict_one, after, start)
 
     def clear_pads(self) -> None:
@@ -134,7 +139,9 @@ class AlignedPlacement:
         cells = self.pool.cells
         first = planned[0]
         if len(planned) == 1 and first.row < 0 and first.p1 - first.p0 >= ALIGN:
-            # Whole blocks (batching.py): an aligned run past the lane's last cell.
+            # Whole blocks (batching.py): the lowest aligned run past the lane's last cell, which
+            # pads kept from earlier steps must not hide.
+            self.clear_pads()
             target = aligned_target(cells, cells.last_cell(first.lane.seq_id), first.p0, n_tokens)
             return target is not None and self._pad_until(lambda: pad_needed(cells, target, n_tokens))
         return self._pad_until(
