@@ -182,6 +182,7 @@ def test_replicas_workload_shares_state_through_redis(tmp_path: Path) -> None:
         assert {m["replica"] for m in ms} == servers, name  # round-robin over the configuration's servers
         assert all(m["cache_source"] is not None for m in ms)
         assert all(m["restore_ms"] is not None and m["restore_ms"] >= 0 for m in ms)
+        assert all(m["queue_ms"] >= 0 and m["prefill_ms"] >= 0 for m in ms)
 
     # Tenants' second rounds land on the other replica: with the shared tier, some restore from it.
     shared = [m for m in measured if m["target"] == "shared"]

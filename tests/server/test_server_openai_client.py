@@ -188,8 +188,12 @@ def test_every_response_says_what_it_reused_and_why_not_more(server: LiveServer)
     prompt = long_prompt("orchards")
     args = dict(model=server.model_id, max_tokens=2, temperature=0)
     cold = client.completions.create(prompt=prompt, **args)
-    assert answer(cold) == {"source": "none", "matched_tokens": 0, "prompt_tokens": cold.usage.prompt_tokens,
-                            "restore_ms": 0.0, "miss_reason": "never_seen"}
+    said = answer(cold)
+    times = {name: said.pop(name) for name in ("queue_ms", "prefill_ms")}
+    assert said == {"source": "none", "matched_tokens": 0, "prompt_tokens": cold.usage.prompt_tokens,
+                    "restore_ms": 0.0, "miss_reason": "never_seen"}
+    # A cold prompt's first token took a prefill: the time from admission to it is not zero.
+    assert times["queue_ms"] >= 0 and times["prefill_ms"] > 0
     repeat = client.completions.create(prompt=prompt, **args)
     got = answer(repeat)
     assert (got["source"], got["matched_tokens"]) == ("resident", repeat.usage.prompt_tokens)

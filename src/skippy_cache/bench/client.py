@@ -38,6 +38,10 @@ class Reply:
     cache_source: str | None = None
     #: skippy-cache's `skippy_cache.restore_ms`: what its restore took of the TTFT (None: not said).
     restore_ms: float | None = None
+    #: skippy-cache's `skippy_cache.queue_ms` and `prefill_ms`: the TTFT's wait for a lane and
+    #: the time from admission to the first token, as the engine measured them (None: not said).
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
 
 
 class BenchClient:
@@ -93,6 +97,10 @@ class BenchClient:
         return state.finish(start)
 
 
+#: The timings skippy-cache's `skippy_cache` object gives, kept as the `Reply` fields of the same names.
+_ENGINE_TIMES = ("restore_ms", "queue_ms", "prefill_ms")
+
+
 class _StreamState:
     """What the chunks of one stream said so far (owned by `BenchClient.stream`)."""
 
@@ -103,7 +111,7 @@ class _StreamState:
         self.usage: dict[str, Any] | None = None
         self.cache_n: int | None = None
         self.cache_source: str | None = None
-        self.restore_ms: float | None = None
+        self.engine_ms: dict[str, float] = {}
         self.error: str | None = None
         self.done = False
 
@@ -126,8 +134,10 @@ class _StreamState:
         answer = chunk.get("skippy_cache")
         if isinstance(answer, dict) and isinstance(answer.get("source"), str):
             self.cache_source = answer["source"]
-        if isinstance(answer, dict) and isinstance(answer.get("restore_ms"), (int, float)):
-            self.restore_ms = float(answer["restore_ms"])
+        if isinstance(answer, dict):
+            for name in _ENGINE_TIMES:
+                if isinstance(answer.get(name), (int, float)):
+                    self.engine_ms[name] = float(answer[name])
         timings = chunk.get("timings")
         if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
             self.cache_n = timings["cache_n"]
@@ -167,5 +177,5 @@ class _StreamState:
             cached,
             usage.get("completion_tokens"),
             cache_source=self.cache_source,
-            restore_ms=self.restore_ms,
+            **self.engine_ms,
         )

@@ -86,6 +86,10 @@ class Measurement:
     replica: int | None = None
     #: skippy-cache's own restore time within the TTFT (`skippy_cache.restore_ms`; None: not said).
     restore_ms: float | None = None
+    #: skippy-cache's wait for a lane and admission-to-first-token time (`skippy_cache.queue_ms`,
+    #: `prefill_ms`; None: not said).
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -167,6 +171,8 @@ class Run:
                 reply.cache_source,
                 replica,
                 reply.restore_ms,
+                reply.queue_ms,
+                reply.prefill_ms,
             )
         )
         self.on_request(workload, target.label, reply)

@@ -31,6 +31,10 @@ def cache_answer(stats: RequestStats) -> dict:
         "matched_tokens": stats.cached_tokens,
         "prompt_tokens": stats.prompt_tokens,
         "restore_ms": round(stats.restore_ms, 3),
+        # Where the TTFT went inside the engine: waiting for a lane (a prefetch from the shared
+        # tier included), then from admission to the first token (restore and prefill).
+        "queue_ms": round(stats.queue_ms, 3),
+        "prefill_ms": round(stats.prefill_ms, 3),
     }
     return _with_reason(answer, stats.miss_reason, stats.evicted_ago)
 
