@@ -559,8 +559,8 @@ class PrefixCache:
             self.placement.clear_pads()
             return self._restore(hit, lane)
         restored = self.pool.restore(lane.seq_id, fetched.payload, fetched.cells, fetched.start)
-        self.placement.clear_pads()
         if not restored:
+            self.placement.clear_pads()
             if hit.page_id is not None:
                 store.discard(hit.page_id)
                 self.tiers.forget_if_gone(hit.page_id)

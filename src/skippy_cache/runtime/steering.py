@@ -18,11 +18,12 @@ are filled with pads of a spare sequence:
   shares with a resident entry, when it goes on from one);
 - a lane with no free cells past its own (lanes climb the pool as they grow)
   is moved down: exported, and imported back onto an aligned run.
-The pads of an import are freed after it. Those of a step stay while lanes
-run (the engine frees them when it idles, and the books count them as free
-cells: `make_room` frees them first): freed after every step, they would
-hand the allocator back the very cells the next step's rows must skip, and
-every decode row would cost a pad import of them again. They are imported,
+Pads stay while lanes run, those of a step and those that landed a restore
+(the engine frees them when it idles, and the books count them as free
+cells: `make_room` frees them first): freed after every step or restore,
+they would hand the allocator back the very cells the next step's rows must
+skip, and every decode row, or the first step after a restore, would cost a
+pad import of them again. They are imported,
 not computed: a state of zeroed rows goes in through
 `llama_state_seq_set_data`, which places its cells exactly where a decode of
 as many tokens would. No other sequence attends to them, so their rows never
@@ -69,7 +70,7 @@ class Placement(Protocol):
         they must, past cell `after` (the shared cells they go on from); False if they cannot."""
 
     def clear_pads(self) -> None:
-        """Free the pads once the import is done."""
+        """Free the pads (the engine idles, or the next placement wants the lowest free cells)."""
 
 
 class FreePlacement:
