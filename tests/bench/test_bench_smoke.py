@@ -183,6 +183,9 @@ def test_replicas_workload_shares_state_through_redis(tmp_path: Path) -> None:
         assert all(m["cache_source"] is not None for m in ms)
         assert all(m["restore_ms"] is not None and m["restore_ms"] >= 0 for m in ms)
         assert all(m["queue_ms"] >= 0 and m["prefill_ms"] >= 0 for m in ms)
+        # Chat runs in rounds: every turn t is answered before any turn t + 1 (records are in answer order).
+        turns = [int(m["group"].rsplit(" ", 1)[1]) for m in ms if m["group"].startswith("chat: ")]
+        assert turns == sorted(turns) and len(set(turns)) == TINY_REPLICAS.chat_turns, name
 
     # Tenants' second rounds land on the other replica: with the shared tier, some restore from it.
     shared = [m for m in measured if m["target"] == "shared"]

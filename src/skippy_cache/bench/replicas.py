@@ -11,7 +11,9 @@ Each configuration gets the tenants and chat traffic of those two workloads (the
 sizes, sent by their own code), spread over its servers request by request: tenant k's round r
 and conversation c's turn t go to server (k + r) mod N and (c + t) mod N, so a tenant's or a
 conversation's next request lands on another server than its last, as behind a round-robin load
-balancer, and every round keeps all servers busy.
+balancer. Chat runs in rounds, as the tenants do (every conversation's turn t before any turn
+t + 1), so every round keeps all servers equally busy: free-running conversations drift a turn
+apart, and then that schedule sends them all to one server.
 
 Threads: a replica gets max(1, cores // N) llama.cpp threads and the single server N times that
 (at most the cores). Every configuration thus has the same CPU, and no two replicas' threads
@@ -262,7 +264,7 @@ async def replicas(run: Run, setup: ReplicaSetup, say: Callable[[str], None]) ->
                 say(f"replicas: {configuration.name} ({configuration.describe()}): {states}")
                 await _warm_up(run, group)
                 await tenant_rounds(run, group, REPLICAS, "tenants: ")
-                await conversations(run, group, REPLICAS, "chat: ")
+                await conversations(run, group, REPLICAS, "chat: ", in_rounds=True)
                 caches = [await _cache_answer(run, server) for server in group.members]
             if configuration.shared:
                 shared_usage = redis_server.usage()

@@ -112,19 +112,25 @@ async def tenant_rounds(
     run.span(workload, target, prefix + "all rounds", started, s.tenants * s.tenant_rounds)
 
 
-async def _conversation(run: Run, target: Target | Replicas, c: int, workload: str, prefix: str) -> None:
-    """Conversation c; its turn t has index c + t (a `Replicas` target alternates its turns' servers)."""
-    s = run.sizes
-    system = passage(f"{run.seed}:chat-system:{c}", words_for(s.chat_system_tokens, run.tokens_per_word))
-    messages = [{"role": "system", "content": system}]
-    for turn in range(s.chat_turns):
-        user = passage(f"{run.seed}:chat:{c}:{turn}", words_for(s.chat_user_tokens, run.tokens_per_word))
-        messages.append({"role": "user", "content": user + " What do you make of this?"})
-        body = {"messages": list(messages), "max_tokens": s.chat_max_tokens, "temperature": 0}
-        reply = await run.request(workload, target, f"{prefix}turn {turn + 1}", CHAT, body, index=c + turn)
+class _Conversation:
+    """Conversation c of a run: its system prompt and the history it resends on every turn."""
+
+    def __init__(self, run: Run, c: int) -> None:
+        s = run.sizes
+        self.c = c
+        system = passage(f"{run.seed}:chat-system:{c}", words_for(s.chat_system_tokens, run.tokens_per_word))
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+
+    async def turn(self, run: Run, target: Target | Replicas, turn: int, workload: str, prefix: str) -> None:
+        """Send turn `turn` (index c + turn: a `Replicas` target alternates a conversation's servers)."""
+        s = run.sizes
+        user = passage(f"{run.seed}:chat:{self.c}:{turn}", words_for(s.chat_user_tokens, run.tokens_per_word))
+        self.messages.append({"role": "user", "content": user + " What do you make of this?"})
+        body = {"messages": list(self.messages), "max_tokens": s.chat_max_tokens, "temperature": 0}
+        reply = await run.request(workload, target, f"{prefix}turn {turn + 1}", CHAT, body, index=self.c + turn)
         # A failed turn still leaves a turn in the history, so the next turn is the same size
         # class and is measured (and counted) rather than skipped.
-        messages.append(
+        self.messages.append(
             {"role": "assistant", "content": reply.text if reply.ok and reply.text else "(no reply)"}
         )
 
@@ -136,13 +142,29 @@ async def chat(run: Run) -> None:
 
 
 async def conversations(
-    run: Run, target: Target | Replicas, workload: str = "chat", prefix: str = ""
+    run: Run, target: Target | Replicas, workload: str = "chat", prefix: str = "", *, in_rounds: bool = False
 ) -> None:
-    """The chat traffic on one target, its groups named `prefix` + "turn N"."""
+    """The chat traffic on one target, its groups named `prefix` + "turn N".
+
+    Each conversation sends its next turn as soon as its last one is answered; `in_rounds` makes
+    every turn a round instead (turn t + 1 of any conversation waits for turn t of all), as the
+    tenants' rounds do. Replicas need that: conversation c's turn t goes to server (c + t) mod N,
+    and once the conversations drift a turn apart, that schedule piles them all on one server
+    while the others idle, which measures the drift, not the shared tier.
+    """
     s = run.sizes
     started = time.perf_counter()
-    jobs = (_conversation(run, target, c, workload, prefix) for c in range(s.chat_conversations))
-    await _bounded(s.concurrency, jobs)
+    talks = [_Conversation(run, c) for c in range(s.chat_conversations)]
+    if in_rounds:
+        for turn in range(s.chat_turns):
+            await _bounded(s.concurrency, (t.turn(run, target, turn, workload, prefix) for t in talks))
+    else:
+
+        async def converse(talk: _Conversation) -> None:
+            for turn in range(s.chat_turns):
+                await talk.turn(run, target, turn, workload, prefix)
+
+        await _bounded(s.concurrency, (converse(t) for t in talks))
     run.span(workload, target, prefix + "all turns", started, s.chat_conversations * s.chat_turns)
 
 
