@@ -10,6 +10,13 @@ from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch
 
 
+#: Rows computed one at a time cost each the same whatever else shares their step, so a lane's rows
+#: that join another's step only hold back that lane's first token. Other lanes' rows top up a step
+#: only to this many rows: in so short a step, the cost every step pays once (reading the weights)
+#: is worth sharing.
+JOIN_ROWS = 16
+
+
 @dataclass(slots=True)
 class Planned:
     """One lane's run of tokens in the batch: positions [p0, p1)."""
@@ -50,8 +57,8 @@ class BatchBuilder:
     chunks as large as a step, one lane's alone (the tiled kernel's floats
     do not depend on the chunk's size when the cells are aligned: steering.py);
     a span of rows computed one at a time (the prompt's last partial block, a
-    resent reply's blocks) in steps of fewer than 64 rows, beside other lanes'
-    such rows. A hit resumes where the request's kernels allow, so every row is
+    resent reply's blocks) in steps of fewer than 64 rows, one lane's before
+    the next lane's (a short step is topped up with other lanes' such rows). A hit resumes where the request's kernels allow, so every row is
     computed by the kernel the cold run used, whatever length was reused and
     whatever ran beside it.
     """
@@ -104,8 +111,8 @@ class BatchBuilder:
         return self._padded(planned)
 
     def _deterministic_chunks(self, prefilling: list[Lane], rows: int) -> list[Planned]:
-        """The first lane's next tiled rows alone, or rows that are computed one at a time, of every
-        lane that has them next, together while the step stays under 64 rows.
+        """The first lane's next tiled rows alone, or its next rows that are computed one at a time,
+        topped up to `JOIN_ROWS` with other lanes' such rows.
 
         Under 64 rows each row is computed on its own, so several lanes' such
         rows may share a step, and a span of them may take several steps; tiled
@@ -118,7 +125,8 @@ class BatchBuilder:
             return [self._add_chunk(lane, end)]
         planned = []
         for lane in prefilling:
-            room = ALIGN - 1 - self.batch.n_tokens
+            # The first lane's rows may fill the step; the others only top up a short one.
+            room = (JOIN_ROWS if planned else ALIGN - 1) - self.batch.n_tokens
             if room > 0 and lane.kernels.row_by_row(lane.n_past):
                 span_end = lane.kernels.span_end(lane.n_past, lane.prefill_end)
                 planned.append(self._add_chunk(lane, min(span_end, lane.n_past + room)))
