@@ -307,3 +307,29 @@ def test_a_turn_back_on_the_first_replica_shares_its_own_cells(redis_server, det
     finally:
         for engine in (a, b, cold):
             engine.close(drain=False)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_system_prompt_another_replica_computed_is_restored_to_its_end(redis_server, deterministic):
+    # Users of one system prompt ask their own questions. The replica that answered the first
+    # recorded the system prompt as an entry of its own, whose rows past the last whole chunk are a
+    # partial chunk named by the prefix at its end: another replica restores all of it.
+    a, b, c = (replica(redis_server.url, deterministic=deterministic) for _ in range(3))
+    cold = Engine(EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=deterministic,
+                               cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    try:
+        system = make_tokens(a, 2 * CHUNK + 40, seed=41)
+        ends = (len(system),)
+        ask(a, system + make_tokens(a, 20, seed=42)[1:], prefix_ends=ends)
+        shared(a)
+        question = system + make_tokens(a, 20, seed=43)[1:]
+        # A replica not told where the system prompt ends stops at the last whole chunk.
+        unaware = ask(c, question, record=False)
+        assert (unaware.stats.cache_source, unaware.stats.cached_tokens) == ("remote", 2 * CHUNK)
+        other = ask(b, question, prefix_ends=ends)
+        assert (other.stats.cache_source, other.stats.cached_tokens) == ("remote", len(system))
+        reference = ask(cold, question, prefix_ends=ends)
+        assert_as_cold(other, reference, b, deterministic, "a system prompt restored from another replica")
+    finally:
+        for engine in (a, b, c, cold):
+            engine.close(drain=False)

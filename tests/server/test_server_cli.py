@@ -258,3 +258,31 @@ def test_a_chat_turn_on_another_server_reuses_the_previous_reply(redis_server, m
     finally:
         first.stop()
         second.stop()
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("mode", [(), ("--fast",)], ids=["exact", "fast"])
+def test_a_system_prompt_another_server_computed_is_restored_to_its_end(redis_server, mode: tuple[str, ...]) -> None:
+    # Users of one system prompt ask their own questions, round-robin over two replicas. The
+    # second replica restores the system prompt to its end, not only to the last whole chunk.
+    common = ("--ctx-size", "2048", "--cache-dir", "none", "--remote-cache", redis_server.url, *mode)
+    first, second = Served(*common, env=clean_env()), Served(*common, env=clean_env())
+    try:
+        first.wait_ready()
+        second.wait_ready()
+
+        def ask(server: Served, question: str) -> dict:
+            messages = [{"role": "system", "content": SHARED}, {"role": "user", "content": question}]
+            answer = server.client().chat.completions.create(model="skippy-cache", messages=messages,
+                                                             max_tokens=1, temperature=0)
+            return {**answer.model_extra["skippy_cache"], "prompt_tokens": answer.usage.prompt_tokens}
+
+        ask(first, "Name one rule.")
+        said = ask(second, "Which rule matters most?")
+        chunk = second.cache()["budgets"]["chunk_tokens"]
+        assert said["source"] == "remote" and said["matched_tokens"] % chunk, said
+        # Past the system message: the user turn's few template tokens and the question.
+        assert said["prompt_tokens"] - said["matched_tokens"] < 16, said
+    finally:
+        first.stop()
+        second.stop()

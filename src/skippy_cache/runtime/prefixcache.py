@@ -31,7 +31,7 @@ the shared tier holds into RAM before its request is queued.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -164,26 +164,34 @@ class PrefixCache:
             if self.store is not None:
                 prefix = request.tokens[: lane.prefill_end]
                 lane.chunk_ids = self.store.chunk_identities(lane.space, prefix, kernels)
-                lane.tail_ids = self.store.identities_at(lane.space, prefix, self._reply_ends(lane), kernels)
+                lane.tail_ids = self.store.identities_at(lane.space, prefix, self._tail_ends(lane), kernels)
 
-    def _reply_ends(self, lane: Lane) -> list[int]:
-        """Where an entry that ended one of the replies the prompt resends would end, off the chunk grid.
+    def _tail_ends(self, lane: Lane) -> list[int]:
+        """Where an entry of another request that shares the prompt's start would end, off the chunk
+        grid: at the end of one of the replies the prompt resends, or at one of its `prefix_ends`.
 
         The entry of a reply holds the cells its lane fed: the prompt and every
         sampled token but the last. A reply that ended on a stop token is thus
         held whole (the stop token is not in the reply's text), one cut at
         `max_tokens` without its last token: its end or one before.
-        In deterministic mode a lookup may resume there only where the prompt's
-        own rows are computed one at a time (exact.py): inside a reply's span.
+        """
+        ends = {n for _, end in lane.request.replies for n in (end - 1, end)}
+        return self._off_grid(lane, ends.union(lane.request.prefix_ends), lane.prefill_end)
+
+    def _off_grid(self, lane: Lane, ends: Iterable[int], limit: int) -> list[int]:
+        """The `ends` up to `limit` that a lookup by name may stop at but no whole chunk ends at.
+
+        In deterministic mode a lookup may resume only where the prompt's own
+        rows are computed one at a time (exact.py): inside a reply's span, or
+        in the prompt's last partial block.
         """
         assert self.store is not None
         c = self.store.chunk_tokens
         floor = max(self.tiers.min_tokens, 1)
-        ends = {n for _, end in lane.request.replies for n in (end - 1, end)
-                if floor <= n <= lane.prefill_end and n % c}
+        kept = {n for n in ends if floor <= n <= limit and n % c}
         if self.deterministic:
-            ends = {n for n in ends if lane.kernels.row_by_row(n)}
-        return sorted(ends)
+            kept = {n for n in kept if lane.kernels.row_by_row(n)}
+        return sorted(kept)
 
     @property
     def shares(self) -> bool:
@@ -315,10 +323,17 @@ class PrefixCache:
     # -- records ---------------------------------------------------------------------
 
     def first_logits(self, lane: Lane, logits: np.ndarray) -> None:
-        """The last prompt token was decoded: record the whole prompt with these logits, if planned."""
-        if lane.whole_prompt is not None:
-            self._record(lane, lane.whole_prompt, logits)
-            lane.whole_prompt = None
+        """The last prompt token was decoded: record the whole prompt with these logits, if planned,
+        and with a store the prefix up to each of the request's `prefix_ends` (the resident index
+        reuses any prefix of the whole prompt already; the store, which names only whole chunks and
+        entries' ends, needs an entry that ends there)."""
+        if lane.whole_prompt is None:
+            return
+        self._record(lane, lane.whole_prompt, logits)
+        lane.whole_prompt = None
+        if self.store is not None:
+            for end in self._off_grid(lane, lane.request.prefix_ends, len(lane.prompt) - 1):
+                self._record(lane, prefix_identity(lane.space, lane.prompt[:end]))
 
     def ended(self, lane: Lane) -> None:
         """A request that ran ended (however): count why it reused no more, if it fell short."""

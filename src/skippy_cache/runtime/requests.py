@@ -55,6 +55,11 @@ class GenerationRequest:
     #: With a store, a reply's end names the partial chunk a lookup by name may end on: where
     #: another process's entry of that reply ended (`PrefixCache.name`).
     replies: tuple[tuple[int, int], ...] = ()
+    #: Where prompts that start like this one are likely to part from it (a chat's system message
+    #: ends there). With a store, the prefix up to each is recorded as an entry of its own, whose
+    #: rows past the last whole chunk are a partial chunk named by that prefix, so a lookup by name
+    #: (another replica's, or after a restart) reaches there instead of the last chunk boundary.
+    prefix_ends: tuple[int, ...] = ()
 
 
 def check_prompt_tokens(tokens: list[int], n_vocab: int) -> None:

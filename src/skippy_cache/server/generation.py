@@ -47,6 +47,17 @@ T = TypeVar("T", bound=BaseModel)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request's prompt tokens and what the cache is told about where its messages sit in them."""
+
+    tokens: list[int]
+    #: `GenerationRequest.replies`: earlier assistant replies, as (start, end) positions.
+    replies: tuple[tuple[int, int], ...] = ()
+    #: `GenerationRequest.prefix_ends`: where the system message ends.
+    prefix_ends: tuple[int, ...] = ()
+
+
 @dataclass(frozen=True)
 class Generation:
     engine: Engine
@@ -72,7 +83,7 @@ class Generation:
         if body.echo:
             prompt = body.prompt
             echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.engine.detokenize, tokens)
-        run = self._submit(body, tokens, max_tokens, prompt_param="prompt")
+        run = self._submit(body, Prompt(tokens), max_tokens, prompt_param="prompt")
         fmt = CompletionFormat(self.model_id, self.system_fingerprint, echo=echo,
                                logprobs=body.logprobs is not None)
         return await self._respond(request, run, body, fmt)
@@ -82,14 +93,15 @@ class Generation:
         self.models.check(body.model)
         self.limits.check_stop(body.stop)
         self.limits.check_messages(len(body.messages))
-        tokens, replies = await asyncio.to_thread(self._chat_prompt, body.messages)
+        prompt = await asyncio.to_thread(self._chat_prompt, body.messages)
+        tokens = prompt.tokens
         self.limits.check_prompt(len(tokens), param="messages")
         max_tokens = body.requested_max_tokens
         if max_tokens is None:
             # Up to what the context has left, capped (settings.DEFAULT_CHAT_MAX_TOKENS says why);
             # at least 1 so a prompt that fills the context gets the engine's context error.
             max_tokens = max(min(self.settings.default_max_tokens, self.engine.info.n_ctx - len(tokens)), 1)
-        run = self._submit(body, tokens, max_tokens, prompt_param="messages", replies=replies)
+        run = self._submit(body, prompt, max_tokens, prompt_param="messages")
         fmt = ChatFormat(self.model_id, self.system_fingerprint, logprobs=bool(body.logprobs))
         return await self._respond(request, run, body, fmt)
 
@@ -117,12 +129,12 @@ class Generation:
         self.models.check(body.model)
         if body.messages is not None:
             self.limits.check_messages(len(body.messages))
-            tokens, replies = await asyncio.to_thread(self._chat_prompt, body.messages)
+            prompt = await asyncio.to_thread(self._chat_prompt, body.messages)
         else:
             assert body.prompt is not None  # CacheQuery holds exactly one of the two
-            tokens, replies = await self._prompt_tokens(body.prompt), ()
-        return GenerationRequest(tokens=tokens, max_tokens=1, namespace=body.cache_salt, lookup=body.cache.lookup,
-                                 replies=replies)
+            prompt = Prompt(await self._prompt_tokens(body.prompt))
+        return GenerationRequest(tokens=prompt.tokens, max_tokens=1, namespace=body.cache_salt,
+                                 lookup=body.cache.lookup, replies=prompt.replies, prefix_ends=prompt.prefix_ends)
 
     # -- steps -----------------------------------------------------------------
 
@@ -132,11 +144,12 @@ class Generation:
             return await asyncio.to_thread(self.engine.tokenize, prompt)
         return list(prompt)
 
-    def _chat_prompt(self, messages: list[ChatMessage]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
-        """The messages' prompt tokens, and where earlier assistant replies sit in them
+    def _chat_prompt(self, messages: list[ChatMessage]) -> Prompt:
+        """The messages' prompt tokens; where earlier assistant replies sit in them
         (`GenerationRequest.replies`): every one in deterministic mode, whose kernels depend on
-        them; the last one in fast mode, where they only name the partial chunk a lookup by name
-        may end on (one render more per request, not one per turn)."""
+        them, the last one in fast mode, where they only name the partial chunk a lookup by name
+        may end on (one render more per request, not one per turn); and where the system message
+        ends (`GenerationRequest.prefix_ends`): the prefix every user of one system prompt shares."""
         try:
             tokens = self._chat_tokens(messages)
         except ChatTemplateError as exc:
@@ -154,15 +167,27 @@ class Generation:
             replies.append((start, start + len(self.engine.tokenize(message.content, add_special=False))))
             if not self.engine.info.deterministic:
                 break
-        return tokens, tuple(reversed(replies))
+        return Prompt(tokens, tuple(reversed(replies)), self._system_end(messages, tokens))
+
+    def _system_end(self, messages: list[ChatMessage], tokens: list[int]) -> tuple[int, ...]:
+        """Where the prompt stops being the system message's alone: as far as it agrees with the
+        system message rendered on its own (empty: no system message, or nothing after it)."""
+        if len(messages) < 2 or messages[0].role not in ("system", "developer"):
+            return ()
+        try:
+            alone = self._chat_tokens(messages[:1])
+        except ChatTemplateError:
+            return ()  # a template may refuse a system message alone: nothing is marked
+        end = next((i for i, (a, b) in enumerate(zip(alone, tokens)) if a != b), min(len(alone), len(tokens)))
+        return (end,) if 0 < end < len(tokens) else ()
 
     def _chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
         text = self.chat.render(messages)
         # The template may already emit BOS; the tokenizer would add a second one.
         return self.engine.tokenize(text, add_special=not self.chat.starts_with_bos(text))
 
-    def _submit(self, body: CompletionRequest | ChatCompletionRequest, tokens: list[int], max_tokens: int,
-                *, prompt_param: str, replies: tuple[tuple[int, int], ...] = ()) -> EngineRuns:
+    def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt: Prompt, max_tokens: int,
+                *, prompt_param: str) -> EngineRuns:
         """One engine request per choice (`n`), all with the same prompt: the first prefills it, the
         others share its cells in flight or reuse its entry, so a choice costs about its decode."""
         sampling = body.sampling()
@@ -170,7 +195,7 @@ class Generation:
         try:
             for index in range(body.choices):
                 request = GenerationRequest(
-                    tokens=tokens,
+                    tokens=prompt.tokens,
                     max_tokens=max_tokens,
                     sampling=_choice_sampling(sampling, index),
                     stop=body.stop_strings(),
@@ -179,7 +204,8 @@ class Generation:
                     record=body.cache.store,
                     pin=body.pin,
                     top_logprobs=body.top_logprobs_wanted,
-                    replies=replies,
+                    replies=prompt.replies,
+                    prefix_ends=prompt.prefix_ends,
                 )
                 runs.append(EngineRun(self.engine, request, on_done=self.metrics.observe_done))
         except (RequestError, QueueFullError, EngineClosedError) as exc:
