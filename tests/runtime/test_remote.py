@@ -33,6 +33,12 @@ def replica(url: str, *, deterministic: bool = False, **remote: object) -> Engin
                                check_invariants=True))
 
 
+def cache_off(deterministic: bool) -> Engine:
+    """The reference: the same engine with its cache off, every prompt computed cold."""
+    return Engine(EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=deterministic,
+                               cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+
+
 @pytest.fixture
 def replicas(redis_server) -> Iterator[list[Engine]]:
     engines = [replica(redis_server.url), replica(redis_server.url)]
@@ -253,8 +259,7 @@ def test_the_next_turn_on_another_replica_reuses_the_reply_to_its_end(redis_serv
     # reply as an entry ending off the chunk grid; its last rows are a partial chunk named by the
     # prefix at its end, so another replica's lookup goes on past the last whole chunk to there.
     a, b, c = (replica(redis_server.url, deterministic=deterministic) for _ in range(3))
-    cold = Engine(EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=deterministic,
-                               cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    cold = cache_off(deterministic)
     try:
         prompt = make_tokens(a, 2 * CHUNK + 90, seed=21)
         turn = a.generate(GenerationRequest(tokens=prompt, max_tokens=8), timeout=300)
@@ -284,8 +289,7 @@ def test_a_turn_back_on_the_first_replica_shares_its_own_cells(redis_server, det
     # still holds the conversation's start. The restore of turn 2's history from the shared tier
     # shares that entry's cells for its whole chunks and imports only the chunks after them.
     a, b = (replica(redis_server.url, deterministic=deterministic) for _ in range(2))
-    cold = Engine(EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=deterministic,
-                               cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    cold = cache_off(deterministic)
     try:
         prompt = make_tokens(a, 2 * CHUNK + 90, seed=31)
         first = a.generate(GenerationRequest(tokens=prompt, max_tokens=8), timeout=300)
@@ -315,8 +319,7 @@ def test_a_system_prompt_another_replica_computed_is_restored_to_its_end(redis_s
     # recorded the system prompt as an entry of its own, whose rows past the last whole chunk are a
     # partial chunk named by the prefix at its end: another replica restores all of it.
     a, b, c = (replica(redis_server.url, deterministic=deterministic) for _ in range(3))
-    cold = Engine(EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=deterministic,
-                               cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    cold = cache_off(deterministic)
     try:
         system = make_tokens(a, 2 * CHUNK + 40, seed=41)
         ends = (len(system),)
