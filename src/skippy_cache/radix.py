@@ -72,7 +72,7 @@ class PrefixIndex:
                 node = child
                 path.append(node)
                 break
-            shared = _shared_length(child.edge, rest)
+            shared = shared_length(child.edge, rest)
             if shared < len(child.edge):
                 child = _split(child, shared)
             node = child
@@ -197,7 +197,7 @@ class PrefixIndex:
             child = node.children.get(tokens[depth])
             if child is None:
                 break
-            shared = _shared_length(child.edge, tokens[depth:])
+            shared = shared_length(child.edge, tokens[depth:])
             path.append((node, depth))
             if shared < len(child.edge):
                 return child, depth + shared, path
@@ -231,7 +231,8 @@ class PrefixIndex:
             assert _depth(node) == n, f"{page!r} ends at depth {_depth(node)}, booked with {n} tokens"
 
 
-def _shared_length(a: Sequence[int], b: Sequence[int]) -> int:
+def shared_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

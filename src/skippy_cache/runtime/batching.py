@@ -58,9 +58,10 @@ class BatchBuilder:
     do not depend on the chunk's size when the cells are aligned: steering.py);
     a span of rows computed one at a time (the prompt's last partial block, a
     resent reply's blocks) in steps of fewer than 64 rows, one lane's before
-    the next lane's (a short step is topped up with other lanes' such rows). A hit resumes where the request's kernels allow, so every row is
-    computed by the kernel the cold run used, whatever length was reused and
-    whatever ran beside it.
+    the next lane's (a short step is topped up with other lanes' such rows).
+    A hit resumes where the request's kernels allow, so every row is computed
+    by the kernel the cold run used, whatever length was reused and whatever
+    ran beside it.
     """
 
     def __init__(self, batch: Batch, grid: int, *, deterministic: bool, fill_tokens: int, pad_seq: int) -> None:

@@ -23,8 +23,8 @@ Pads stay while lanes run, those of a step and those that landed a restore
 cells: `make_room` frees them first): freed after every step or restore,
 they would hand the allocator back the very cells the next step's rows must
 skip, and every decode row, or the first step after a restore, would cost a
-pad import of them again. They are imported,
-not computed: a state of zeroed rows goes in through
+pad import of them again. They are imported, not computed: a state of
+zeroed rows goes in through
 `llama_state_seq_set_data`, which places its cells exactly where a decode of
 as many tokens would. No other sequence attends to them, so their rows never
 matter, and a pad of a thousand cells costs a copy of a few MiB instead of a

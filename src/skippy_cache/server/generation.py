@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from skippy_cache.radix import shared_length
 from skippy_cache.runtime import (
     DoneEvent,
     Engine,
@@ -178,7 +179,7 @@ class Generation:
             alone = self._chat_tokens(messages[:1])
         except ChatTemplateError:
             return ()  # a template may refuse a system message alone: nothing is marked
-        end = next((i for i, (a, b) in enumerate(zip(alone, tokens)) if a != b), min(len(alone), len(tokens)))
+        end = shared_length(alone, tokens)
         return (end,) if 0 < end < len(tokens) else ()
 
     def _chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
