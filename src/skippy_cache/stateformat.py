@@ -331,7 +331,7 @@ def join(
     *,
     seq_id: int = 0,
     start: int = 0,
-) -> bytes:
+) -> bytearray:
     """A payload for `llama_state_seq_set_data` holding the first `n_tokens` tokens of consecutive chunks.
 
     `n_tokens` must end inside the last chunk given (no chunk wholly past it).
@@ -340,7 +340,8 @@ def join(
     leading cells are shared with another (`seq_cp`) gets only the rest.
     `seq_id` goes into the header and every cell, as the writer puts it; the
     reader ignores both (flags 0), so any value imports into any sequence. Pass
-    the state's own `seq_id` for a byte-exact round trip.
+    the state's own `seq_id` for a byte-exact round trip. A bytearray: the
+    import reads it in place instead of copying it once more.
     """
     if n_tokens < 1:
         raise StateFormatError(f"n_tokens must be at least 1, got {n_tokens}")
@@ -362,12 +363,7 @@ def join(
     # How many of each chunk's tokens are used: all of them but in the last chunk.
     takes = counts[:-1] + [n_tokens - (total - counts[-1])]
 
-    cells = np.empty((n_tokens, 3), "<i4")
-    cells[:, 0] = np.arange(start, start + n_tokens)
-    cells[:, 1] = 1
-    cells[:, 2] = seq_id
-    parts: list[bytes | memoryview] = [_HEAD.pack(IO_MAGIC, seq_id, 1, n_tokens), cells.tobytes()]
-    parts.append(_U32X2.pack(int(layout.v_trans), layout.n_layer))
+    parts: list[bytes | memoryview] = [_cells_head(layout, n_tokens, seq_id, start)]
 
     views = [memoryview(c).cast("B") for c in chunks]
     k_total = sum(x.k_row_bytes for x in layout.layers)
@@ -395,4 +391,38 @@ def join(
                 off = count * (k_total + v_before)
                 parts.append(view[off : off + take * x.v_row_bytes])
         v_before += x.v_row_bytes
-    return b"".join(parts)
+    return bytearray().join(parts)
+
+
+def zeroed(layout: Layout, n_tokens: int, *, seq_id: int = 0) -> bytearray:
+    """A payload of `n_tokens` cells at positions 0, 1, ... whose K and V rows are all zero.
+
+    Deterministic mode's placement pads: nothing attends to them, so only
+    where their cells land matters. Built in place (the rows are the zeros of
+    a fresh buffer), since a pad of a thousand cells is tens of MiB.
+    """
+    if n_tokens < 1:
+        raise StateFormatError(f"n_tokens must be at least 1, got {n_tokens}")
+    # Each section: its header, then as many zero bytes of rows.
+    sections = [(_cells_head(layout, n_tokens, seq_id, 0), 0)]
+    sections += [(_ROW_HEAD.pack(x.k_type, x.k_row_bytes), n_tokens * x.k_row_bytes) for x in layout.layers]
+    for x in layout.layers:
+        head = (_TRANS_HEAD.pack(x.v_type, x.v_el_bytes, x.n_embd_v_gqa) if layout.v_trans
+                else _ROW_HEAD.pack(x.v_type, x.v_row_bytes))
+        sections.append((head, n_tokens * x.v_row_bytes))
+    out = bytearray(sum(len(head) + rows for head, rows in sections))
+    at = 0
+    for head, rows in sections:
+        out[at : at + len(head)] = head
+        at += len(head) + rows
+    return out
+
+
+def _cells_head(layout: Layout, n_tokens: int, seq_id: int, start: int) -> bytes:
+    """The payload's header, its cells (positions from `start`, one sequence each) and the layer count."""
+    cells = np.empty((n_tokens, 3), "<i4")
+    cells[:, 0] = np.arange(start, start + n_tokens)
+    cells[:, 1] = 1
+    cells[:, 2] = seq_id
+    return (_HEAD.pack(IO_MAGIC, seq_id, 1, n_tokens) + cells.tobytes()
+            + _U32X2.pack(int(layout.v_trans), layout.n_layer))

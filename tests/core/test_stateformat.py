@@ -20,6 +20,7 @@ from skippy_cache.stateformat import (
     join,
     parse,
     split,
+    zeroed,
 )
 
 F16 = 1  # GGML_TYPE_F16
@@ -384,6 +385,18 @@ def test_join_writes_the_seq_id_it_is_given() -> None:
     q = join(s.layout, split(s, 2), 5)  # default seq 0: the reader ignores it
     assert parse(q).seq_id == 0
     assert q == write_state(pool, 0, list(range(2, 7)))
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_zeroed_is_a_join_of_zero_rows(v_trans: bool, n: int) -> None:
+    # Placement pads: the payload a join of all-zero rows would make, built without the rows' copy.
+    layout = parse(sample(v_trans)[1]).layout
+    pad = zeroed(layout, n, seq_id=9)
+    assert pad == join(layout, [bytes(n * layout.token_bytes)], n, seq_id=9)
+    assert parse(pad).n_tokens == n
+    with pytest.raises(StateFormatError):
+        zeroed(layout, 0)
 
 
 def test_join_refuses_misuse() -> None:

@@ -300,9 +300,9 @@ def test_a_full_disk_never_fails_a_request(tmp_path: Path) -> None:
 def test_deterministic_mode_restores_from_the_store_bit_for_bit(
     warm_exact: Engine, cold_exact: Engine
 ) -> None:
-    # Deterministic mode demotes entries only when their cells are needed (here: all
-    # but the pins, as pressure would); a later hit restores them onto cells on the
-    # block grid, and the output equals a cold run's bit for bit.
+    # Entries demoted (here: all but the pins, as pressure or idleness would) come
+    # back on a later hit onto cells on the block grid, and the output equals a cold
+    # run's bit for bit.
     warm = warm_exact
     system = make_tokens(warm, 600, seed=90)
     # Tails that end the last whole block at 576 (reusing all 600) and at 768 (reusing 576,
@@ -322,6 +322,34 @@ def test_deterministic_mode_restores_from_the_store_bit_for_bit(
     assert on.tokens == first.tokens  # the first prompt again, restored whole
     assert warm.stats().placement.unaligned_steps == 0
     assert warm.invariant_failures == []
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_lanes_that_come_back_to_a_demoted_prefix_share_one_restore(deterministic: bool, cold_exact: Engine) -> None:
+    # Four tenants' requests with one system prompt arrive together after its entry left the
+    # pool: the first lane restores it, and what came back is resident again, so the other
+    # three share its cells (a `seq_cp`) instead of importing three more copies of it.
+    warm = Engine(config(None, deterministic=deterministic, idle_tokens=0))
+    try:
+        system = make_tokens(warm, 600, seed=96)
+        run(warm, system + make_tokens(warm, 20, seed=97))
+        demote_unpinned(warm)
+        assert not resident_pages(warm)
+        before = warm.stats().cache.counters
+        prompts = [system + make_tokens(warm, 20 + 9 * i, seed=98 + i) for i in range(4)]
+        done = warm.generate_many([GenerationRequest(tokens=p, max_tokens=8, keep_first_logits=True)
+                                   for p in prompts])
+        after = warm.stats().cache.counters
+        assert after.restores == before.restores + 1
+        assert sorted(d.stats.cache_source for d in done) == ["ram", "resident", "resident", "resident"]
+        assert all(d.stats.cached_tokens >= 576 for d in done)
+        if deterministic:
+            for i, (prompt, on) in enumerate(zip(prompts, done, strict=True)):
+                assert_bit_exact(on, run(cold_exact, prompt, max_tokens=8), f"tenant {i}")
+            assert warm.stats().placement.unaligned_steps == 0
+        assert warm.invariant_failures == []
+    finally:
+        warm.close()
 
 
 def test_deterministic_mode_restores_chunks_written_before_a_restart_bit_for_bit(

@@ -140,11 +140,11 @@ class Engine:
                                      fill_tokens=config.fill_tokens, pad_seq=config.lanes)
         self.placement: Placement = (AlignedPlacement(self.pool, self._builder.pad_seq, parse(warm_state).layout)
                                      if det else FreePlacement())
-        # Deterministic mode demotes entries only when their cells are needed: a
-        # restore is a lane's own copy of cells that a resident entry shares with
-        # every lane that hits it, and each lane needs free cells past its own
-        # (steering.py), so copies that fill the pool push lanes to its top.
-        idle_tokens = 0 if det else config.idle_tokens
+        # Both modes demote idle entries (`idle_tokens`): every resident cell
+        # widens the KV view that each row of each step walks, and a stream of
+        # distinct prompts otherwise keeps the view twice as wide as its lanes
+        # need. A restore is recorded resident again (`PrefixCache.settle`), so
+        # lanes that come back to a demoted prefix share its cells, not copies.
         self.cache = PrefixCache(
             self.pool,
             tiers,
@@ -153,7 +153,7 @@ class Engine:
             policy,
             mode,
             bytes_per_token=self.model.kv_bytes_per_token(config.type_k, config.type_v),
-            idle_tokens=idle_tokens,
+            idle_tokens=config.idle_tokens,
             placement=self.placement,
         )
         self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue)
@@ -177,7 +177,7 @@ class Engine:
             chunk_tokens=config.chunk_tokens,
             remote_url=store.remote.url if store is not None and store.remote is not None else None,
             store_note=store_note,
-            idle_tokens=idle_tokens,
+            idle_tokens=config.idle_tokens,
             max_queue=config.max_queue,
             bos_text=self.model.special_text(self.model.bos),
             eos_text=self.model.special_text(self.model.eos),

@@ -84,8 +84,7 @@ class EngineConfig:
     #: tokens is demoted. A resident cell costs every decoded token attention
     #: time, and a restore costs a copy per cell; past this many tokens an idle
     #: entry has cost more than bringing it back (README: the cache path, state store).
-    #: 0: entries leave only when a budget or a decode needs their cells
-    #: (always, in deterministic mode: engine.py).
+    #: 0: entries leave only when a budget or a decode needs their cells.
     idle_tokens: int = 256
     #: After every step, check the cache's books and that the cell mirror
     #: matches llama.cpp's sequences (tests; costs a native call per sequence).

@@ -13,6 +13,8 @@ Records: the whole prompt with its first-token logits right after the last
 prompt token's decode (`first_logits`), and when the request ends, the lane's
 whole sequence, prompt and reply (`finished`): the next turn of a chat resends
 that reply inside its history, and reuses it instead of prefilling it again.
+What a restore brought back is recorded at once (`settle`), so the lanes that
+come back to a prefix together share one restore's cells.
 Deterministic mode records the same entries, each with the kernels of the
 prompt that computed it, and reuses of an entry only the rows computed by the
 kernel its own cold run would use (exact.py).
@@ -312,10 +314,14 @@ class PrefixCache:
         if hit.source is Source.RESIDENT and hit.whole and lane.request.pin:
             assert hit.page_id is not None
             self.tiers.resident.pin(hit.page_id)
-        if hit.source in (Source.RAM, Source.DISK, Source.REMOTE) and hit.whole:
-            # The whole entry came back: resident again, sharing the lane's
-            # cells, so the next repeat is a `seq_cp`.
-            self._record(lane, lane.prompt_identity, hit.logits)
+        if hit.source in (Source.RAM, Source.DISK, Source.REMOTE):
+            # What came back is resident again, sharing the lane's cells, so the
+            # next request with this prefix (a repeat, or another lane admitted
+            # now with the same system prompt) gets a `seq_cp` instead of a
+            # restore: a restore is the lane's own copy of the cells, and copies
+            # of one prefix on several lanes fill the pool.
+            restored = lane.prompt_identity if hit.whole else prefix_identity(lane.space, lane.prompt[: hit.length])
+            self._record(lane, restored, hit.logits if hit.whole else None)
         if not (self.mode.records and lane.request.record) or hit.whole:
             return
         lane.whole_prompt = lane.prompt_identity

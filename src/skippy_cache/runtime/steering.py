@@ -40,7 +40,7 @@ from typing import Protocol
 from skippy_cache.placement import ALIGN, aligned_target, order_pad, pad_needed
 from skippy_cache.runtime.batching import Planned
 from skippy_cache.runtime.pool import CellPool
-from skippy_cache.stateformat import Layout, join
+from skippy_cache.stateformat import Layout, zeroed
 
 #: Pad attempts per step: each import of pads may move the allocator's head,
 #: so the pad count is recomputed a few times before giving up on placement.
@@ -194,7 +194,7 @@ class AlignedPlacement:
     def _import_pad(self, count: int) -> bool:
         """`count` more pad cells; the import clears the pad sequence first, so its old cells come back too."""
         total = self.pool.cells.seq_len(self.pad_seq) + count
-        payload = join(self.layout, [bytes(total * self.layout.token_bytes)], total, seq_id=self.pad_seq)
+        payload = zeroed(self.layout, total, seq_id=self.pad_seq)
         if not self.pool.restore(self.pad_seq, payload, total):
             return False
         self.stats.pad_tokens += count
