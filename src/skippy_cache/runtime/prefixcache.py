@@ -320,8 +320,9 @@ class PrefixCache:
             # now with the same system prompt) gets a `seq_cp` instead of a
             # restore: a restore is the lane's own copy of the cells, and copies
             # of one prefix on several lanes fill the pool.
+            # Only a whole hit carries logits.
             restored = lane.prompt_identity if hit.whole else prefix_identity(lane.space, lane.prompt[: hit.length])
-            self._record(lane, restored, hit.logits if hit.whole else None)
+            self._record(lane, restored, hit.logits)
         if not (self.mode.records and lane.request.record) or hit.whole:
             return
         lane.whole_prompt = lane.prompt_identity
