@@ -306,7 +306,7 @@ OPTIONS: tuple[Option, ...] = (
            "(default 64)", "N"),
     Option("idle_tokens", "--idle-tokens", "SKIPPY_IDLE_TOKENS", "idle_tokens", _int(0),
            "move an entry from the pool to the store once the pool has decoded this many tokens without "
-           "using it; 0: only when its cells are needed (default 256, fast mode only)", "N"),
+           "using it; 0: only when its cells are needed (default 256)", "N"),
     Option("dashboard_prefix_text", "--dashboard-prefix-text", "SKIPPY_DASHBOARD_PREFIX_TEXT",
            "dashboard_prefix_text", _bool, "show the first words of the top prefixes on /dashboard (default on; "
            "off shows only their figures)", is_bool=True),
