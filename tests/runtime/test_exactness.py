@@ -137,3 +137,19 @@ def test_the_next_chat_turn_reuses_the_reply_bit_for_bit(exact_engine, cold_engi
     assert alone.stats.cached_tokens < replies[-1][0]
     assert exact_engine.stats().placement.unaligned_steps == 0
     assert not exact_engine.invariant_failures
+
+
+def test_a_last_token_decoded_after_a_hit_matches_one_decoded_with_the_last_rows(exact_engine, cold_engine):
+    # Cold, a prompt's last token goes in the step of its last rows (batching.py); after a hit
+    # that reuses every other token, it is decoded in a step of its own, beside a pad row.
+    # Both compute it row by row over the same cells in the same order.
+    exact_engine.clear_cache()
+    first = make_tokens(exact_engine, 300, seed=320)
+    exact_engine.generate(GenerationRequest(tokens=first, max_tokens=1))
+    request = GenerationRequest(tokens=first + make_tokens(exact_engine, 1, seed=321), max_tokens=16,
+                                keep_first_logits=True)
+    on = exact_engine.generate(request)
+    off = cold_engine.generate(request)
+    assert on.stats.cached_tokens == len(first)
+    assert_bit_exact(on, off, "a last token decoded after a hit")
+    assert exact_engine.stats().placement.unaligned_steps == 0

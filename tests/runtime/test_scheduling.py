@@ -198,24 +198,30 @@ def test_exact_mode_computes_one_lanes_rows_before_the_next_lanes() -> None:
     # Rows computed one at a time cost the same alone or together, so packing four lanes' rows
     # into one step would only hold back the first lane's token. Four 60-token prompts (row by
     # row from position 0: their last partial block) waiting at once: the first lane's rows go
-    # alone, its first token comes next, and only then the second lane's rows.
+    # alone with its last prompt token, so its first token comes out of that step, and only
+    # then (after its next token) the second lane's rows.
     engine = Engine(EngineConfig(ctx_size=4096, lanes=4, deterministic=True, check_invariants=True), start=False)
     try:
         events = [submit(engine, GenerationRequest(tokens=make_tokens(engine, 60, seed=570 + i), max_tokens=2))
                   for i in range(4)]
         engine.step()
         lanes = [lane_of(engine, e) for e in events]
-        assert [lane.n_past for lane in lanes] == [59, 0, 0, 0]
-        engine.step()
+        assert [lane.n_past for lane in lanes] == [60, 0, 0, 0]
         assert has_token(events[0]) and not any(has_token(e) for e in events[1:])
         engine.step()
-        assert [lane.n_past for lane in lanes[1:]] == [59, 0, 0]
+        engine.step()
+        assert [lane.n_past for lane in lanes[1:]] == [60, 0, 0]
         run_to_end(engine)
         # A short step is topped up with the next lane's rows, to JOIN_ROWS in all.
-        events = [submit(engine, GenerationRequest(tokens=make_tokens(engine, n, seed=575 + n), max_tokens=1))
+        events = [submit(engine, GenerationRequest(tokens=make_tokens(engine, n, seed=575 + n), max_tokens=2))
                   for n in (10, 48)]
         engine.step()
-        assert [lane_of(engine, e).n_past for e in events] == [9, JOIN_ROWS - 9]
+        assert [lane_of(engine, e).n_past for e in events] == [10, JOIN_ROWS - 10]
+        run_to_end(engine)
+        # 63 rows leave no room for the last token under 64 rows: it comes in a decode step.
+        events = submit(engine, GenerationRequest(tokens=make_tokens(engine, 64, seed=579), max_tokens=1))
+        engine.step()
+        assert lane_of(engine, events).n_past == 63 and not has_token(events)
         run_to_end(engine)
     finally:
         engine.close(drain=False)

@@ -58,7 +58,9 @@ class BatchBuilder:
     do not depend on the chunk's size when the cells are aligned: steering.py);
     a span of rows computed one at a time (the prompt's last partial block, a
     resent reply's blocks) in steps of fewer than 64 rows, one lane's before
-    the next lane's (a short step is topped up with other lanes' such rows).
+    the next lane's (a short step is topped up with other lanes' such rows);
+    a lane whose last such rows fit takes its last prompt token along, so its
+    first token comes out of that step.
     A hit resumes where the request's kernels allow, so every row is computed
     by the kernel the cold run used, whatever length was reused and whatever
     ran beside it.
@@ -130,8 +132,23 @@ class BatchBuilder:
             room = (JOIN_ROWS if planned else ALIGN - 1) - self.batch.n_tokens
             if room > 0 and lane.kernels.row_by_row(lane.n_past):
                 span_end = lane.kernels.span_end(lane.n_past, lane.prefill_end)
-                planned.append(self._add_chunk(lane, min(span_end, lane.n_past + room)))
+                end = min(span_end, lane.n_past + room)
+                if end == lane.prefill_end and end - lane.n_past < room:
+                    planned.append(self._add_last_rows(lane))
+                else:
+                    planned.append(self._add_chunk(lane, end))
         return planned
+
+    def _add_last_rows(self, lane: Lane) -> Planned:
+        """A lane's last prefill rows and its last prompt token, whose logits give its first token.
+
+        The last token is computed row by row wherever it goes (exact.py), so
+        it costs one more row of this step instead of a step of its own, which
+        on this CPU costs a weights pass (about 10 ms) and a pad row.
+        """
+        end = len(lane.prompt)
+        row = self.batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, True)
+        return Planned(lane, lane.n_past, end, row)
 
     def _padded(self, planned: list[Planned]) -> list[Planned]:
         self.needs_pad = self.batch.n_tokens == 1

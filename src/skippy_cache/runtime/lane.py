@@ -20,7 +20,7 @@ from skippy_cache.runtime.textstream import TextStream
 class Phase(Enum):
     #: Positions [n_past, prefill_end) still to prefill.
     PREFILL = "prefill"
-    #: Prefill done; the last prompt token is decoded on its own step.
+    #: Prefill done; the last prompt token is decoded in the next decode step.
     LAST_TOKEN = "last-token"
     #: Feeding back the sampled token.
     DECODE = "decode"
@@ -94,7 +94,8 @@ class Lane:
 
     @property
     def prefill_end(self) -> int:
-        """Everything but the last prompt token, which always gets a step of its own."""
+        """Everything but the last prompt token, which is decoded for the logits of the first token:
+        in a decode step, or in deterministic mode with the prompt's last rows (batching.py)."""
         return len(self.handle.request.tokens) - 1
 
 
