@@ -144,7 +144,7 @@ class BatchBuilder:
 
         The last token is computed row by row wherever it goes (exact.py), so
         it costs one more row of this step instead of a step of its own, which
-        on this CPU costs a weights pass (about 10 ms) and a pad row.
+        costs a pass over the weights and a pad row.
         """
         end = len(lane.prompt)
         row = self.batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, True)
