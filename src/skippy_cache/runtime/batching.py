@@ -134,21 +134,12 @@ class BatchBuilder:
                 span_end = lane.kernels.span_end(lane.n_past, lane.prefill_end)
                 end = min(span_end, lane.n_past + room)
                 if end == lane.prefill_end and end - lane.n_past < room:
-                    planned.append(self._add_last_rows(lane))
-                else:
-                    planned.append(self._add_chunk(lane, end))
+                    # The last prompt token too: it is computed row by row wherever it goes
+                    # (exact.py), so it costs one more row here instead of a step of its own
+                    # (a pass over the weights, and a pad row).
+                    end += 1
+                planned.append(self._add_chunk(lane, end))
         return planned
-
-    def _add_last_rows(self, lane: Lane) -> Planned:
-        """A lane's last prefill rows and its last prompt token, whose logits give its first token.
-
-        The last token is computed row by row wherever it goes (exact.py), so
-        it costs one more row of this step instead of a step of its own, which
-        costs a pass over the weights and a pad row.
-        """
-        end = len(lane.prompt)
-        row = self.batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, True)
-        return Planned(lane, lane.n_past, end, row)
 
     def _padded(self, planned: list[Planned]) -> list[Planned]:
         self.needs_pad = self.batch.n_tokens == 1
@@ -160,5 +151,7 @@ class BatchBuilder:
         return (self.pad_seq, pos, pos + 1)
 
     def _add_chunk(self, lane: Lane, end: int) -> Planned:
-        self.batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, False)
-        return Planned(lane, lane.n_past, end, -1)
+        """The lane's prompt rows [n_past, end); a chunk that ends the prompt gives its first token's logits."""
+        last = end == len(lane.prompt)
+        row = self.batch.add(lane.seq_id, lane.prompt[lane.n_past : end], lane.n_past, last)
+        return Planned(lane, lane.n_past, end, row if last else -1)
