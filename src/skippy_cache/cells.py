@@ -84,6 +84,14 @@ class CellMap:
         self._used = 0
         self._seqs: dict[int, _Held] = {}
 
+    def copy(self) -> CellMap:
+        """An independent copy, to try a series of events on before doing them for real."""
+        twin = CellMap(self.n_cells)
+        twin.head, twin._used = self.head, self._used
+        twin._holders = self._holders.copy()
+        twin._seqs = {seq: _Held(held.first, held.cells.copy()) for seq, held in self._seqs.items()}
+        return twin
+
     # -- reads ---------------------------------------------------------------
 
     @property
@@ -144,6 +152,11 @@ class CellMap:
             return {}
         at = np.flatnonzero(held.cells >= 0)
         return dict(zip((at + held.first).tolist(), held.cells[at].tolist(), strict=True))
+
+    def cells_of(self, seq: int) -> np.ndarray:
+        """The cells `seq` holds, in position order (a fresh array)."""
+        held = self._seqs.get(seq)
+        return held.cells[held.cells >= 0] if held is not None else _EMPTY.copy()
 
     def state_order(self, seq: int) -> list[int]:
         """The positions of `seq` in the order `llama_state_seq_get_data` writes them: by ascending cell.

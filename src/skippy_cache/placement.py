@@ -15,7 +15,7 @@ between the head and where the step's cells must land with a pad sequence
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -25,12 +25,15 @@ from skippy_cache.cells import CellMap
 ALIGN = 64
 
 
-def aligned_target(cells: CellMap, after: int, first_pos: int, length: int) -> int | None:
-    """Lowest cell > `after`, congruent to `first_pos` mod ALIGN, that starts `length` free cells.
+def aligned_target(
+    cells: CellMap, after: int, first_pos: int, length: int, taken: np.ndarray | None = None
+) -> int | None:
+    """Lowest cell > `after`, congruent to `first_pos` mod ALIGN, that starts `length` free cells
+    (cells not `taken`, when given: by default those a sequence holds).
 
     None when no such run is left before the end of the pool.
     """
-    holders = cells.holders
+    holders = cells.holders if taken is None else taken
     start = after + 1
     start += (first_pos - start) % ALIGN
     while start + length <= cells.n_cells:
@@ -86,3 +89,89 @@ def order_pad(cells: CellMap, runs: Sequence[tuple[int, int]], n_tokens: int) ->
         offset += rows
     good = np.flatnonzero(fits)
     return int(good[0]) if len(good) else None
+
+
+def rooms_mask(n_cells: int, rooms: Iterable[tuple[int, int]]) -> np.ndarray:
+    """The cells running lanes will grow into: for each (last cell, room), the `room` cells past it."""
+    mask = np.zeros(n_cells, dtype=bool)
+    for last, room in rooms:
+        if last >= 0 and room > 0:
+            mask[last + 1 : last + 1 + room] = True
+    return mask
+
+
+def room_targets(cells: CellMap, runs: Sequence[tuple[int, int]], pad_seq: int) -> list[int] | None:
+    """The cells right past each run's sequence's last cell, in batch order: where a step's rows go
+    when each lane grows into its own room.
+
+    `runs` are as for `order_pad`. None when a run's cells are held by any
+    sequence but the pads', or the runs' cells do not rise in batch order (the
+    allocator hands a batch its cells in its search order).
+    """
+    holders = cells.holders
+    pads = np.zeros(cells.n_cells, dtype=bool)
+    pads[cells.cells_of(pad_seq)] = True
+    targets: list[int] = []
+    for last, rows in runs:
+        if last < 0 or last + 1 + rows > cells.n_cells or (targets and last + 1 <= targets[-1]):
+            return None
+        run = np.arange(last + 1, last + 1 + rows)
+        if np.any((holders[run] != 0) & ~(pads[run] & (holders[run] == 1))):
+            return None
+        targets += run.tolist()
+    return targets
+
+
+def cover_plan(cells: CellMap, pad_seq: int, targets: list[int], n_tokens: int) -> tuple[int, list[tuple[int, int]]] | None:
+    """How to make the allocator give a batch of `n_tokens` the `targets` (ascending) first.
+
+    Pads cover every free cell the allocator would reach before the last
+    target, and the targets are then punched out of the pads: (pad cells to
+    import anew, 0 to keep the pads as they are; the pad positions to remove,
+    as [p0, p1) ranges). The pads stay between steps, so a lane's next row is
+    usually a pad already and a step costs one removal, not an import. None
+    when no plan lands them (the allocator's search would wrap first).
+    """
+    for reimport in (False, True):
+        sim = cells.copy()
+        total = 0
+        if reimport:
+            sim.seq_rm(pad_seq)
+            cover = _cover_length(sim, targets[-1])
+            if cover is None or sim.restore(pad_seq, cover) is None:
+                continue
+            total = cover
+        at = {cell: pos for pos, cell in sim.seq_cells(pad_seq).items()}
+        punch = sorted(at[cell] for cell in targets if cell in at)
+        for pos in punch:
+            sim.seq_rm(pad_seq, pos, pos + 1)
+        slot = sim.find_slot(n_tokens)
+        if slot is not None and slot[: len(targets)] == targets:
+            return total, _ranges(punch)
+    return None
+
+
+def _cover_length(cells: CellMap, last: int) -> int | None:
+    """Cells an import takes to reach every free cell up to `last` in the allocator's search order."""
+    free = np.flatnonzero(cells.holders == 0)
+    total = int(np.count_nonzero(free <= last))
+    for _ in range(3):
+        start = cells.search_start(total)
+        if start > last:
+            return None  # the search would climb to the pool's end and wrap before reaching `last`
+        reach = int(np.count_nonzero((free >= start) & (free <= last)))
+        if reach == total:
+            return total
+        total = reach
+    return None
+
+
+def _ranges(positions: list[int]) -> list[tuple[int, int]]:
+    """Ascending positions as [p0, p1) runs."""
+    out: list[tuple[int, int]] = []
+    for pos in positions:
+        if out and out[-1][1] == pos:
+            out[-1] = (out[-1][0], pos + 1)
+        else:
+            out.append((pos, pos + 1))
+    return out

@@ -300,6 +300,14 @@ class ResidentPrefixCache:
             return None
         return self._evict(victim, drop_evicted)
 
+    def evict_lru_where(self, wanted: Callable[[SeqId], bool], drop_evicted: DropEvicted) -> ResidentEviction | None:
+        """Evict the least recently used unpinned entry whose sequence `wanted` picks, if any."""
+        self._tick()
+        picked = [page_id for page_id, entry in self._entries.items()
+                  if page_id not in self._pins and wanted(entry.seq_id)]
+        victim = min(picked, key=lambda page_id: self._entries[page_id].last_used, default=None)
+        return None if victim is None else self._evict(victim, drop_evicted)
+
     def advance_work(self, tokens: int) -> None:
         """The pool decoded `tokens` more tokens (each paid for every resident cell in its KV view)."""
         if tokens < 0:

@@ -6,7 +6,15 @@ from skippy_cache.cells import CellMap
 from hypothesis import given
 from hypothesis import strategies as st
 
-from skippy_cache.placement import ALIGN, aligned_target, order_pad, pad_needed
+from skippy_cache.placement import (
+    ALIGN,
+    aligned_target,
+    cover_plan,
+    order_pad,
+    pad_needed,
+    room_targets,
+    rooms_mask,
+)
 
 
 def test_aligned_target_is_after_the_prefix_and_congruent_to_the_position():
@@ -129,3 +137,87 @@ def test_after_order_pad_the_rows_land_past_the_cell(held, above, n_rows, extra)
         cells.head = 0
     slot = cells.find_slot(n_tokens)
     assert slot is not None and min(slot[:n_rows]) > above
+
+
+PAD = 7
+
+
+def test_rooms_mask_holds_the_cells_past_each_lane_s_last_cell():
+    mask = rooms_mask(100, [(9, 5), (-1, 10), (40, 0), (95, 10)])
+    assert mask.nonzero()[0].tolist() == [10, 11, 12, 13, 14, 96, 97, 98, 99]
+
+
+def test_aligned_target_keeps_off_taken_cells():
+    cells = CellMap(512)
+    cells.decode([(0, 0, 64)])
+    taken = (cells.holders != 0) | rooms_mask(512, [(63, 100)])  # the lane at 0..63 grows into 64..163
+    assert aligned_target(cells, 63, first_pos=0, length=64) == 64
+    assert aligned_target(cells, 63, first_pos=0, length=64, taken=taken) == 192
+    taken[:64] = False  # as if the lane's cells were freed
+    assert aligned_target(cells, -1, first_pos=0, length=64, taken=taken) == 0
+
+
+def test_room_targets_are_the_cells_right_past_each_lane():
+    cells = CellMap(256)
+    cells.decode([(0, 0, 10)])  # lane 0 on 0..9
+    cells.decode([(PAD, 0, 20)])  # pads on 10..29
+    cells.decode([(1, 0, 10)])  # lane 1 on 30..39
+    assert room_targets(cells, [(9, 2), (39, 1)], PAD) == [10, 11, 40]
+    # Past lane 0 sit the pads, then lane 1's cells: 21 rows would reach them.
+    assert room_targets(cells, [(9, 21)], PAD) is None
+    # The allocator hands out cells in its search order: lane 1's run cannot come first.
+    assert room_targets(cells, [(39, 1), (9, 1)], PAD) is None
+    assert room_targets(cells, [(-1, 1)], PAD) is None
+
+
+def _apply(cells: CellMap, plan: tuple[int, list[tuple[int, int]]]) -> None:
+    total, punch = plan
+    if total:
+        assert cells.restore(PAD, total) is not None
+    for p0, p1 in punch:
+        cells.seq_rm(PAD, p0, p1)
+
+
+def test_a_lane_s_next_row_punched_out_of_its_padded_room_needs_no_import():
+    cells = CellMap(256)
+    cells.decode([(0, 0, 10), (PAD, 0, 20), (1, 0, 10)])  # lane 0: 0..9, pads 10..29, lane 1: 30..39
+    cells.head = 40
+    plan = cover_plan(cells, PAD, [10, 40], n_tokens=2)
+    assert plan == (0, [(0, 1)])
+    _apply(cells, plan)
+    assert cells.find_slot(2) == [10, 40]
+
+
+@given(
+    held=st.lists(st.sampled_from([0, 0, 1, 2]), min_size=16, max_size=160),
+    lanes=st.lists(st.tuples(st.integers(0, 159), st.integers(1, 4)), min_size=1, max_size=4),
+    head=st.integers(0, 160),
+    pad_row=st.integers(0, 1),
+)
+def test_after_a_cover_plan_the_rows_land_on_their_targets(held, lanes, head, pad_row):
+    # Cells are free (0), another sequence's (1) or pads (2); each lane's last cell is taken
+    # from `lanes`. Whatever the pool, a plan that is returned lands every row on its target.
+    n = len(held)
+    cells = CellMap(n)
+    cells.decode([(9, 0, n)])
+    for cell, kind in enumerate(held):
+        if kind != 1:
+            cells.seq_rm(9, cell, cell + 1)
+    cells.head = 0
+    pads = [cell for cell, kind in enumerate(held) if kind == 2]
+    if pads:
+        free_before = [c for c in range(n) if held[c] == 0 or held[c] == 2]
+        # Pads land on the first free cells: make the free cells before them pads, in order.
+        cells.decode([(PAD, 0, free_before.index(pads[-1]) + 1)])
+    cells.head = min(head, n)
+    runs = sorted({(min(last, n - 1), rows) for last, rows in lanes})
+    targets = room_targets(cells, runs, PAD)
+    if targets is None:
+        return
+    n_tokens = len(targets) + pad_row
+    plan = cover_plan(cells, PAD, targets, n_tokens)
+    if plan is None:
+        return
+    _apply(cells, plan)
+    cells.check_invariants()
+    assert cells.find_slot(n_tokens)[: len(targets)] == targets

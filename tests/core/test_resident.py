@@ -380,6 +380,21 @@ def test_evict_one_lru_entry() -> None:
     cache.check_invariants()
 
 
+def test_evict_lru_where_takes_the_least_recently_used_entry_it_picks() -> None:
+    cache = ResidentPrefixCache(make_cache().config, max_pinned_tokens=100)
+    for page, tokens in (("a", 100), ("b", 200), ("c", 300)):
+        record(cache, page, tokens)
+    cache.pin(P("a"))
+    assert cache.pinned(P("a"))
+    drop = Dropper(cache)
+    # a is pinned and c is not picked: b goes, whatever its rank.
+    assert cache.evict_lru_where(lambda seq: seq != 10, drop) == ResidentEviction(P("b"), SeqId(9), 200, 0)
+    assert cache.evict_lru_where(lambda seq: seq != 10, drop) is None
+    assert cache.evict_lru_where(lambda seq: True, drop) == ResidentEviction(P("c"), SeqId(10), 300, 0)
+    assert drop.dropped == ["b", "c"] and pages(cache) == ["a"]
+    cache.check_invariants()
+
+
 @pytest.mark.parametrize(
     ("page", "seq_id", "tokens", "nbytes"),
     [("a", 9, 100, 10), ("a", 8, 101, 10), ("a", 8, 100, 11), ("other", 8, 100, 10)],

@@ -75,10 +75,12 @@ def test_partial_hits_match_cache_off_bit_for_bit(exact_engine, cold_engine):
 def test_a_prompt_prefilled_on_a_wide_view_matches_one_on_an_empty_pool(exact_engine, cold_engine):
     # On a wide KV view a step holds fewer rows (prefill.step_rows), so this prompt's
     # whole blocks are tiled in other chunk sizes than the cold run's on an empty pool.
-    # Idle entries would leave the pool during the next prefill; kept, they widen the view.
+    # Entries kept widen the view. Idle ones would leave the pool during the next prefill, and a
+    # starting lane would take an unused entry's cells (steering.py): both are turned off here.
     exact_engine.clear_cache()
     idle_tokens = exact_engine.cache.idle_tokens
     exact_engine.call(lambda: setattr(exact_engine.cache, "idle_tokens", 0))
+    exact_engine.call(lambda: setattr(exact_engine.cache, "evict_where", lambda wanted: False))
     try:
         for k in range(3):
             exact_engine.generate(GenerationRequest(tokens=make_tokens(exact_engine, 1000, seed=400 + k),
@@ -90,6 +92,7 @@ def test_a_prompt_prefilled_on_a_wide_view_matches_one_on_an_empty_pool(exact_en
         on = exact_engine.generate(request)
     finally:
         exact_engine.call(lambda: setattr(exact_engine.cache, "idle_tokens", idle_tokens))
+        exact_engine.call(lambda: delattr(exact_engine.cache, "evict_where"))
     off = cold_engine.generate(request)
     assert on.stats.cached_tokens == 0
     assert_bit_exact(on, off, "a prompt on a wide view")

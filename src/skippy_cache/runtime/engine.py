@@ -88,6 +88,11 @@ T = TypeVar("T")
 #: Requests prefetching from the shared tier at once; more wait for a worker.
 _PREFETCH_WORKERS = 4
 
+#: Generated tokens a lane's room holds past its prompt in deterministic mode (steering.py): cells
+#: kept free for its first tokens, which a longer reply outgrows (its rows then go past other
+#: lanes' cells, as every row did before rooms).
+ROOM_TOKENS = 64
+
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, start: bool = True) -> None:
@@ -485,7 +490,8 @@ class Engine:
         if not self.cache.make_room(n_tokens):
             self._fail_lanes([p.lane for p in planned], "the KV pool has no free cells for this step")
             return True
-        self.placement.before_decode(planned, n_tokens, self.cache.evict_one)
+        rooms = self._rooms() if self.config.deterministic else None
+        self.placement.before_decode(planned, n_tokens, self.cache.evict_one, rooms, self.cache.evict_where)
         runs = [(p.lane.seq_id, p.p0, p.p1) for p in planned]
         pad_row = self.pool.cells.pos_max(pad_seq) + 1
         if self._builder.needs_pad:
@@ -515,6 +521,15 @@ class Engine:
         if self.config.check_invariants:
             self._check_invariants()
         return True
+
+    def _rooms(self) -> dict[int, int]:
+        """Each running lane's sequence -> the cells it may still grow by: the rest of its prompt and
+        its first `ROOM_TOKENS` generated tokens (steering.py keeps them for it)."""
+        cells = self.pool.cells
+        return {
+            lane.seq_id: min(lane.reserve, len(lane.prompt) + ROOM_TOKENS) - (cells.pos_max(lane.seq_id) + 1)
+            for lane in self.scheduler.lanes
+        }
 
     def _reap_cancelled(self) -> None:
         with self._cv:

@@ -66,6 +66,11 @@ class CellPool:
         self.ctx.seq_rm(seq_id, keep, -1)
         self.cells.seq_rm(seq_id, keep, -1)
 
+    def remove(self, seq_id: int, p0: int, p1: int) -> None:
+        """Take the sequence off its cells of positions [p0, p1)."""
+        self.ctx.seq_rm(seq_id, p0, p1)
+        self.cells.seq_rm(seq_id, p0, p1)
+
     def export(self, seq_id: int) -> bytearray:
         """The sequence's exact state (`llama_state_seq_get_data`)."""
         return self.ctx.state_seq_get(seq_id)

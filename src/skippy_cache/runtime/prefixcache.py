@@ -33,7 +33,7 @@ the shared tier holds into RAM before its request is queued.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -452,6 +452,16 @@ class PrefixCache:
         Pinned entries go last, when nothing else can: a pin never fails a request.
         """
         eviction = self.tiers.resident.evict_one_lru_entry(self._demote, pinned_too=True)
+        if eviction is None:
+            return False
+        self.counters.proactive_evictions += 1
+        self._forget([eviction])
+        return True
+
+    def evict_where(self, wanted: Callable[[int], bool]) -> bool:
+        """Evict (demote) the least recently used unpinned entry whose sequence `wanted` picks; False
+        when none is."""
+        eviction = self.tiers.resident.evict_lru_where(wanted, self._demote)
         if eviction is None:
             return False
         self.counters.proactive_evictions += 1

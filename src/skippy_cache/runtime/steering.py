@@ -13,6 +13,14 @@ are filled with pads of a spare sequence:
 - every other step (decode rows of any lanes, rows computed one at a time)
   lands each lane's rows past that lane's own last cell; the engine orders a
   step's lanes by their last cells, so lanes low in the pool stay low;
+- a lane grows into a room: a chunk that starts a lane lands where the rest of
+  its prompt and its first tokens fit after it, outside the other lanes' rooms,
+  and a lane's later rows land right past its own cells, the free cells
+  between the lanes' next rows covered by pads. Without rooms a lane's next
+  rows went to the first free cells past every lane in the step (the
+  allocator hands a batch consecutive free cells), so the lanes' last blocks
+  and tokens climbed the pool together, and the KV view that every step
+  walks grew with every step until a lane was moved down;
 - a state restored from the store onto an empty lane lands on an aligned run,
   as the whole blocks it holds did when they were computed (past the cells it
   shares with a resident entry, when it goes on from one);
@@ -33,14 +41,27 @@ thousand tokens' prefill.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from skippy_cache.placement import ALIGN, aligned_target, order_pad, pad_needed
+import numpy as np
+
+from skippy_cache.placement import (
+    ALIGN,
+    aligned_target,
+    cover_plan,
+    order_pad,
+    pad_needed,
+    room_targets,
+    rooms_mask,
+)
 from skippy_cache.runtime.batching import Planned
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.stateformat import Layout, zeroed
+
+#: Demotes the least recently used unpinned entry whose sequence the callable picks; False if none.
+EvictWhere = Callable[[Callable[[int], bool]], bool]
 
 #: Pad attempts per step: each import of pads may move the allocator's head,
 #: so the pad count is recomputed a few times before giving up on placement.
@@ -55,13 +76,23 @@ class PlacementStats:
     unaligned_steps: int = 0
     #: Lanes moved down the pool (exported, imported on the grid) for want of room past their cells.
     relocations: int = 0
+    #: Steps of rows computed one at a time whose lanes all grew into their own rooms.
+    room_steps: int = 0
 
 
 class Placement(Protocol):
     stats: PlacementStats
 
-    def before_decode(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> None:
-        """Pad so that the step's `n_tokens` land where they must."""
+    def before_decode(
+        self,
+        planned: list[Planned],
+        n_tokens: int,
+        evict_one: Callable[[], bool],
+        rooms: Mapping[int, int] | None = None,
+        evict_where: EvictWhere | None = None,
+    ) -> None:
+        """Pad so that the step's `n_tokens` land where they must; `rooms` maps each running lane's
+        sequence to the cells it may still grow by past its last cell."""
 
     def place_import(
         self, seq_id: int, n_cells: int, evict_one: Callable[[], bool], after: int = -1, start: int = 0
@@ -79,7 +110,14 @@ class FreePlacement:
     def __init__(self) -> None:
         self.stats = PlacementStats()
 
-    def before_decode(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> None:
+    def before_decode(
+        self,
+        planned: list[Planned],
+        n_tokens: int,
+        evict_one: Callable[[], bool],
+        rooms: Mapping[int, int] | None = None,
+        evict_where: EvictWhere | None = None,
+    ) -> None:
         pass
 
     def place_import(
@@ -100,9 +138,16 @@ class AlignedPlacement:
         self.layout = layout
         self.stats = PlacementStats()
 
-    def before_decode(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> None:
+    def before_decode(
+        self,
+        planned: list[Planned],
+        n_tokens: int,
+        evict_one: Callable[[], bool],
+        rooms: Mapping[int, int] | None = None,
+        evict_where: EvictWhere | None = None,
+    ) -> None:
         """Pad so that the step's `n_tokens` (its runs, then any pad row) land where they must."""
-        if not self._steer(planned, n_tokens, evict_one):
+        if not self._steer(planned, n_tokens, evict_one, rooms or {}, evict_where):
             self.stats.unaligned_steps += 1
 
     def place_import(
@@ -121,8 +166,15 @@ class AlignedPlacement:
         if self.pool.cells.seq_len(self.pad_seq):
             self.pool.free(self.pad_seq)
 
-    def _steer(self, planned: list[Planned], n_tokens: int, evict_one: Callable[[], bool]) -> bool:
-        if self._place(planned, n_tokens):
+    def _steer(
+        self,
+        planned: list[Planned],
+        n_tokens: int,
+        evict_one: Callable[[], bool],
+        rooms: Mapping[int, int],
+        evict_where: EvictWhere | None,
+    ) -> bool:
+        if self._place(planned, n_tokens, rooms, evict_where):
             return True
         # No room past some lane's last cell: lanes climb the pool as they grow
         # (each step lands past their cells), and a long-lived lane reaches the
@@ -132,22 +184,89 @@ class AlignedPlacement:
             self.clear_pads()
             if not self._relocate(seq, n_tokens, evict_one):
                 return False
-            if self._place(planned, n_tokens):
+            if self._place(planned, n_tokens, rooms, evict_where):
                 return True
         return False
 
-    def _place(self, planned: list[Planned], n_tokens: int) -> bool:
+    def _place(
+        self, planned: list[Planned], n_tokens: int, rooms: Mapping[int, int], evict_where: EvictWhere | None
+    ) -> bool:
         cells = self.pool.cells
         first = planned[0]
+        runs = [(cells.last_cell(p.lane.seq_id), p.p1 - p.p0) for p in planned]
         if len(planned) == 1 and first.row < 0 and first.p1 - first.p0 >= ALIGN:
             # Whole blocks (batching.py): the lowest aligned run past the lane's last cell, which
-            # pads kept from earlier steps must not hide.
+            # pads kept from earlier steps must not hide; where the lane's room fits, outside the
+            # other lanes' rooms, when there is such a run.
             self.clear_pads()
-            target = aligned_target(cells, cells.last_cell(first.lane.seq_id), first.p0, n_tokens)
+            target = self._chunk_target(first, n_tokens, rooms, evict_where)
             return target is not None and self._pad_until(lambda: pad_needed(cells, target, n_tokens))
-        return self._pad_until(
-            lambda: order_pad(cells, [(cells.last_cell(p.lane.seq_id), p.p1 - p.p0) for p in planned], n_tokens)
-        )
+        if self._place_in_rooms(runs, n_tokens):
+            return True
+        return self._pad_until(lambda: order_pad(cells, runs, n_tokens))
+
+    def _chunk_target(
+        self, chunk: Planned, n_tokens: int, rooms: Mapping[int, int], evict_where: EvictWhere | None
+    ) -> int | None:
+        """Where a chunk of whole blocks lands: with the lane's room after it and outside the other
+        lanes' rooms, else outside theirs only, else the lowest aligned run past the lane's cells.
+
+        A lane that starts (no cells yet) past the KV view would widen every
+        step's view for as long as it runs; when an entry no lane uses holds
+        cells that would place it within the view, that entry is demoted
+        instead (one export, and a restore if it is hit again).
+        """
+        cells = self.pool.cells
+        seq = chunk.lane.seq_id
+        last = cells.last_cell(seq)
+        length = max(n_tokens, rooms.get(seq, 0))
+        others = rooms_mask(cells.n_cells, [(cells.last_cell(s), room) for s, room in rooms.items() if s != seq])
+        target = aligned_target(cells, last, chunk.p0, length, (cells.holders != 0) | others)
+        view = cells.view
+        lanes = np.zeros(cells.n_cells, dtype=bool)
+        for lane_seq in rooms:
+            lanes[cells.cells_of(lane_seq)] = True
+        while last < 0 and evict_where is not None and (target is None or target + length > view):
+
+            def holds_it_lower(entry_seq: int) -> bool:
+                # The entry's cells no lane holds: freed once it goes, with any entry sharing them
+                # (a whole prompt and the same prompt with its reply), which the next round takes.
+                own = cells.cells_of(entry_seq)
+                unshared = own[~lanes[own]]
+                if not len(unshared):
+                    return False
+                taken = (cells.holders != 0) | others
+                taken[unshared] = False
+                fit = aligned_target(cells, last, chunk.p0, length, taken)
+                # Within the view, or past it by less than a block (prompts differ by a few tokens).
+                return fit is not None and fit + length <= view + ALIGN
+
+            if not evict_where(holds_it_lower):
+                break
+            target = aligned_target(cells, last, chunk.p0, length, (cells.holders != 0) | others)
+        if target is None:
+            target = aligned_target(cells, last, chunk.p0, n_tokens, (cells.holders != 0) | others)
+        if target is None:
+            target = aligned_target(cells, last, chunk.p0, n_tokens)
+        return target
+
+    def _place_in_rooms(self, runs: list[tuple[int, int]], n_tokens: int) -> bool:
+        """Each run right past its lane's last cell, the free cells between them covered by pads."""
+        cells = self.pool.cells
+        targets = room_targets(cells, runs, self.pad_seq)
+        plan = None if targets is None else cover_plan(cells, self.pad_seq, targets, n_tokens)
+        if targets is None or plan is None:
+            return False
+        total, punch = plan
+        if total and not self._import_pads(total):
+            return False
+        for p0, p1 in punch:
+            self.pool.remove(self.pad_seq, p0, p1)
+        slot = cells.find_slot(n_tokens)
+        if slot is None or slot[: len(targets)] != targets:
+            return False
+        self.stats.room_steps += 1
+        return True
 
     def _relocate(self, seq_id: int, room: int, evict_one: Callable[[], bool]) -> bool:
         """Move a lane's cells to the lowest aligned run of free cells with `room` more free after it,
@@ -193,9 +312,13 @@ class AlignedPlacement:
 
     def _import_pad(self, count: int) -> bool:
         """`count` more pad cells; the import clears the pad sequence first, so its old cells come back too."""
-        total = self.pool.cells.seq_len(self.pad_seq) + count
+        return self._import_pads(self.pool.cells.seq_len(self.pad_seq) + count)
+
+    def _import_pads(self, total: int) -> bool:
+        """Pads on the first `total` free cells the allocator reaches once the old pads are cleared."""
+        count = total - self.pool.cells.seq_len(self.pad_seq)
         payload = zeroed(self.layout, total, seq_id=self.pad_seq)
         if not self.pool.restore(self.pad_seq, payload, total):
             return False
-        self.stats.pad_tokens += count
+        self.stats.pad_tokens += max(count, 0)
         return True
