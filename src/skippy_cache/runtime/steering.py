@@ -92,7 +92,8 @@ class Placement(Protocol):
         evict_where: EvictWhere | None = None,
     ) -> None:
         """Pad so that the step's `n_tokens` land where they must; `rooms` maps each running lane's
-        sequence to the cells it may still grow by past its last cell."""
+        sequence to the cells it may still grow by past its last cell, and `evict_where` demotes an
+        entry whose cells a starting lane should take."""
 
     def place_import(
         self, seq_id: int, n_cells: int, evict_one: Callable[[], bool], after: int = -1, start: int = 0
