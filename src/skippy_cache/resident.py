@@ -303,9 +303,7 @@ class ResidentPrefixCache:
     def evict_lru_where(self, wanted: Callable[[SeqId], bool], drop_evicted: DropEvicted) -> ResidentEviction | None:
         """Evict the least recently used unpinned entry whose sequence `wanted` picks, if any."""
         self._tick()
-        picked = [page_id for page_id, entry in self._entries.items()
-                  if page_id not in self._pins and wanted(entry.seq_id)]
-        victim = min(picked, key=lambda page_id: self._entries[page_id].last_used, default=None)
+        victim = self._lru_victim(wanted=wanted)
         return None if victim is None else self._evict(victim, drop_evicted)
 
     def advance_work(self, tokens: int) -> None:
@@ -353,9 +351,12 @@ class ResidentPrefixCache:
             or (cfg.max_resident_tokens > 0 and tokens > cfg.max_resident_tokens)
         )
 
-    def _lru_victim(self, *, pinned: bool = False) -> PageId | None:
-        """The least recently used entry among the unpinned ones (or, with `pinned`, the pinned ones)."""
+    def _lru_victim(self, *, pinned: bool = False, wanted: Callable[[SeqId], bool] | None = None) -> PageId | None:
+        """The least recently used entry among the unpinned ones (or, with `pinned`, the pinned ones),
+        of those whose sequence `wanted` picks when given."""
         pool = self._pins if pinned else (p for p in self._entries if p not in self._pins)
+        if wanted is not None:
+            pool = (p for p in pool if wanted(self._entries[p].seq_id))
         return min(pool, key=lambda page_id: self._entries[page_id].last_used, default=None)
 
     def _evict(self, page_id: PageId, drop_evicted: DropEvicted) -> ResidentEviction:

@@ -451,17 +451,15 @@ class PrefixCache:
 
         Pinned entries go last, when nothing else can: a pin never fails a request.
         """
-        eviction = self.tiers.resident.evict_one_lru_entry(self._demote, pinned_too=True)
-        if eviction is None:
-            return False
-        self.counters.proactive_evictions += 1
-        self._forget([eviction])
-        return True
+        return self._evicted(self.tiers.resident.evict_one_lru_entry(self._demote, pinned_too=True))
 
     def evict_where(self, wanted: Callable[[int], bool]) -> bool:
         """Evict (demote) the least recently used unpinned entry whose sequence `wanted` picks; False
         when none is."""
-        eviction = self.tiers.resident.evict_lru_where(wanted, self._demote)
+        return self._evicted(self.tiers.resident.evict_lru_where(wanted, self._demote))
+
+    def _evicted(self, eviction: ResidentEviction | None) -> bool:
+        """Book an entry the resident cache let go to free cells; False when it let none go."""
         if eviction is None:
             return False
         self.counters.proactive_evictions += 1

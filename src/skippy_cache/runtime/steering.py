@@ -41,7 +41,7 @@ thousand tokens' prefill.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -223,33 +223,42 @@ class AlignedPlacement:
         length = max(n_tokens, rooms.get(seq, 0))
         others = rooms_mask(cells.n_cells, [(cells.last_cell(s), room) for s, room in rooms.items() if s != seq])
         target = aligned_target(cells, last, chunk.p0, length, (cells.holders != 0) | others)
-        view = cells.view
-        lanes = np.zeros(cells.n_cells, dtype=bool)
-        for lane_seq in rooms:
-            lanes[cells.cells_of(lane_seq)] = True
-        while last < 0 and evict_where is not None and (target is None or target + length > view):
-
-            def holds_it_lower(entry_seq: int) -> bool:
-                # The entry's cells no lane holds: freed once it goes, with any entry sharing them
-                # (a whole prompt and the same prompt with its reply), which the next round takes.
-                own = cells.cells_of(entry_seq)
-                unshared = own[~lanes[own]]
-                if not len(unshared):
-                    return False
-                taken = (cells.holders != 0) | others
-                taken[unshared] = False
-                fit = aligned_target(cells, last, chunk.p0, length, taken)
-                # Within the view, or past it by less than a block (prompts differ by a few tokens).
-                return fit is not None and fit + length <= view + ALIGN
-
-            if not evict_where(holds_it_lower):
-                break
-            target = aligned_target(cells, last, chunk.p0, length, (cells.holders != 0) | others)
+        if last < 0 and evict_where is not None and (target is None or target + length > cells.view):
+            target = self._make_way(chunk.p0, length, others, rooms, evict_where)
         if target is None:
             target = aligned_target(cells, last, chunk.p0, n_tokens, (cells.holders != 0) | others)
         if target is None:
             target = aligned_target(cells, last, chunk.p0, n_tokens)
         return target
+
+    def _make_way(
+        self, first_pos: int, length: int, others: np.ndarray, lanes: Iterable[int], evict_where: EvictWhere
+    ) -> int | None:
+        """Demote entries no lane uses, one at a time, while one of them holds cells that would place
+        a starting lane's `length` cells within the KV view; where the lane lands then."""
+        cells = self.pool.cells
+        view = cells.view
+        held_by_lanes = np.zeros(cells.n_cells, dtype=bool)
+        for lane_seq in lanes:
+            held_by_lanes[cells.cells_of(lane_seq)] = True
+
+        def holds_it_lower(entry_seq: int) -> bool:
+            # The entry's cells no lane holds: freed once it goes, with any entry sharing them
+            # (a whole prompt and the same prompt with its reply), which the next round takes.
+            own = cells.cells_of(entry_seq)
+            unshared = own[~held_by_lanes[own]]
+            if not len(unshared):
+                return False
+            taken = (cells.holders != 0) | others
+            taken[unshared] = False
+            fit = aligned_target(cells, -1, first_pos, length, taken)
+            # Within the view, or past it by less than a block (prompts differ by a few tokens).
+            return fit is not None and fit + length <= view + ALIGN
+
+        while True:
+            target = aligned_target(cells, -1, first_pos, length, (cells.holders != 0) | others)
+            if (target is not None and target + length <= view) or not evict_where(holds_it_lower):
+                return target
 
     def _place_in_rooms(self, runs: list[tuple[int, int]], n_tokens: int) -> bool:
         """Each run right past its lane's last cell, the free cells between them covered by pads."""
