@@ -25,7 +25,15 @@ from pathlib import Path
 
 import httpx
 
-from skippy_cache.bench.targets import LLAMA_SERVER, free_port, launch, server_command, stop, wait_ready
+from skippy_cache.bench.targets import (
+    LLAMA_SERVER,
+    free_port,
+    launch,
+    server_command,
+    stop,
+    wait_ready,
+    weight_layout,
+)
 from skippy_cache.bench.text import WORDS, passage
 from skippy_cache.runtime import available_cores
 from skippy_cache.runtime.gguf_info import default_model_path
@@ -79,14 +87,16 @@ def main() -> None:
     args = parser.parse_args()
     model_path = default_model_path()
     threads = available_cores()
+    # Both servers and the library load the weights alike (targets.py: one layout for every server).
+    repack = weight_layout(model_path).use_extra_bufts
     port = free_port()
-    skippy = server_command("skippy-cache", port, model_path, CTX) + (["--fast"] if args.fast else [])
+    skippy = server_command("skippy-cache", port, model_path, CTX, repack=repack) + (["--fast"] if args.fast else [])
     ours = launch("skippy-cache", "skippy-cache", skippy, args.logs / "skippy.log", port)
     port = free_port()
     peer = launch("llama-server", LLAMA_SERVER,
-                  server_command(LLAMA_SERVER, port, model_path, CTX, llama_server=args.llama_server),
+                  server_command(LLAMA_SERVER, port, model_path, CTX, llama_server=args.llama_server, repack=repack),
                   args.logs / "llama-server.log", port)
-    model = NativeModel(model_path)
+    model = NativeModel(model_path, use_extra_bufts=repack)
     try:
         wait_ready([ours, peer])
         for target in (ours, peer):

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "serve":
-        from skippy_cache.runtime.gguf_info import ModelNotFoundError
+        from skippy_cache.diskchunks import CacheDirBusy
+        from skippy_cache.runtime.startup import StartupError
         from skippy_cache.server.serve import serve
         from skippy_cache.server.settings import SettingsError, load_settings
 
@@ -82,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             return serve(settings)
-        except ModelNotFoundError as exc:
-            parser.exit(1, f"skippy-cache serve: error: {exc}\n")
+        except (SettingsError, StartupError, CacheDirBusy) as exc:
+            # A setting or file the user gave: one line that names it, no traceback.
+            parser.exit(2, f"skippy-cache serve: error: {exc}\n")
     return 0
 
 

@@ -14,7 +14,7 @@ def run_demo(ctx_size: int, prompt_tokens: int, lanes: int) -> str:
     policy = PrefixCandidatePolicy.from_cache(cache_cfg)
     lookups = policy.candidate_token_counts(prompt_tokens)
     records = policy.record_candidate_token_counts(prompt_tokens)
-    key = IdentityKey.from_stage(stage, model_digest="0" * 16, runtime_abi="demo")
+    key = IdentityKey.from_stage(stage, model_digest="0" * 16, runtime_abi="demo", weight_layout="CPU")
     tokens = list(range(prompt_tokens))
     ids = prefix_identities(key, tokens, records)
 

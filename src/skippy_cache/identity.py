@@ -1,8 +1,9 @@
 """Prefix identity: the BLAKE3 name of a KV state, over everything that shaped it.
 
 Reuse is exact, so every input that changes the KV bytes goes into the hash:
-model (id and file digest), stage and layer range, runtime ABI, KV layout and
-dtype, flash attention, `kv_unified`, context size, namespace, the first
+model (id and file digest), stage and layer range, runtime ABI, the weight
+layout (which buffer types hold the weights: repacked weights run other matmul
+kernels, so other floats; `weights.py`), KV layout and dtype, flash attention, `kv_unified`, context size, namespace, the first
 token's position, and the token ids. Each field is framed with its name, a
 type tag and its length, so no two different field lists can produce the same
 byte stream (e.g. stage "a1" + index 2 vs stage "a" + index 12).
@@ -30,7 +31,7 @@ from skippy_cache.config import StageConfig
 PrefixHash = NewType("PrefixHash", str)
 PageId = NewType("PageId", str)
 
-_DOMAIN = b"skippy-cache/prefix-identity/v1"
+_DOMAIN = b"skippy-cache/prefix-identity/v2"
 _TOKEN_ITEMSIZE = 4
 
 
@@ -45,6 +46,8 @@ class IdentityKey:
     layer_start: int
     layer_end: int
     runtime_abi: str
+    #: The buffer types that hold the weights (`weights.weight_layout_name`: `CPU_Mapped`, `CPU_Mapped+CPU_REPACK`).
+    weight_layout: str
     type_k: str
     type_v: str
     flash_attn: bool
@@ -62,6 +65,7 @@ class IdentityKey:
         *,
         model_digest: str,
         runtime_abi: str,
+        weight_layout: str,
         namespace: str | None = None,
     ) -> IdentityKey:
         return cls(
@@ -72,6 +76,7 @@ class IdentityKey:
             layer_start=stage.layer_start,
             layer_end=stage.layer_end,
             runtime_abi=runtime_abi,
+            weight_layout=weight_layout,
             type_k=stage.cache_type_k,
             type_v=stage.cache_type_v,
             flash_attn=stage.flash_attn,
@@ -93,6 +98,7 @@ class IdentityKey:
         _put_int(out, b"layer_start", self.layer_start)
         _put_int(out, b"layer_end", self.layer_end)
         _put_str(out, b"runtime_abi", self.runtime_abi)
+        _put_str(out, b"weight_layout", self.weight_layout)
         _put_str(out, b"type_k", self.type_k)
         _put_str(out, b"type_v", self.type_v)
         _put_bool(out, b"flash_attn", self.flash_attn)

@@ -15,7 +15,7 @@ from rich.console import Console
 from skippy_cache.bench.llamaserver import ENV, LlamaServerError, find_llama_server
 from skippy_cache.bench.run import FULL
 from skippy_cache.bench.summary import Figure, goals
-from skippy_cache.bench.targets import LLAMA_SERVER, server_command
+from skippy_cache.bench.targets import LLAMA_SERVER, SKIPPY, server_command
 
 
 def executable(path: Path) -> Path:
@@ -31,6 +31,17 @@ def test_llama_server_runs_four_slots_over_one_unified_pool(tmp_path: Path) -> N
     joined = " ".join(cmd)
     for part in ("-m /m.gguf", "-c 8192", "-np 4", "--kv-unified", "--host 127.0.0.1", "--port 8090"):
         assert part in joined
+
+
+def test_every_started_server_gets_one_weight_layout(tmp_path: Path) -> None:
+    """Repacked weights run other kernels: the peer repacks exactly when skippy-cache does."""
+    binary = executable(tmp_path / "llama-server")
+    plain = server_command(LLAMA_SERVER, 8090, Path("/m.gguf"), 8192, binary, repack=False)
+    assert plain[-1] == "--no-repack"
+    assert "--no-repack" not in server_command(LLAMA_SERVER, 8090, Path("/m.gguf"), 8192, binary, repack=True)
+    for repack, word in ((False, "off"), (True, "on")):
+        ours = server_command(SKIPPY, 8091, Path("/m.gguf"), 8192, repack=repack)
+        assert ours[ours.index("--weight-repack") + 1] == word
 
 
 def test_binary_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -103,7 +103,7 @@ def test_equal_bounds_before_a_chunk_end_mean_its_rows_were_computed_alike(
 
 def test_rows_key_never_names_state_as_fast_mode_does():
     space = IdentityKey(model_id="m", model_digest="d", stage_id="s", stage_index=0, layer_start=0,
-                        layer_end=30, runtime_abi="r", type_k="f16", type_v="f16", flash_attn=True,
+                        layer_end=30, runtime_abi="r", weight_layout="CPU", type_k="f16", type_v="f16", flash_attn=True,
                         kv_unified=True, ctx_size=8192)
     assert rows_key(space, ()) != space
     assert rows_key(space, (64,)) != rows_key(space, (128,)) != rows_key(space, ())

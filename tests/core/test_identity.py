@@ -29,6 +29,7 @@ KEY = IdentityKey(
     layer_start=0,
     layer_end=30,
     runtime_abi="llama-cpp-python-0.3.36",
+    weight_layout="CPU_Mapped",
     type_k="f16",
     type_v="f16",
     flash_attn=True,
@@ -49,6 +50,8 @@ CHANGED = {
     "layer_start": 1,
     "layer_end": 29,
     "runtime_abi": "llama-cpp-python-0.3.37",
+    # Repacked weights run other matmul kernels: a state computed with them is another state.
+    "weight_layout": "CPU_Mapped+CPU_REPACK",
     "type_k": "q8_0",
     "type_v": "q8_0",
     "flash_attn": False,
@@ -171,7 +174,7 @@ def test_hash_is_blake3_over_the_documented_stream() -> None:
     key = KEY.with_namespace("tenant-a")
     header = b"".join(
         [
-            s("domain", "skippy-cache/prefix-identity/v1"),
+            s("domain", "skippy-cache/prefix-identity/v2"),
             s("model_id", key.model_id),
             s("model_digest", key.model_digest),
             s("stage_id", key.stage_id),
@@ -179,6 +182,7 @@ def test_hash_is_blake3_over_the_documented_stream() -> None:
             i("layer_start", key.layer_start),
             i("layer_end", key.layer_end),
             s("runtime_abi", key.runtime_abi),
+            s("weight_layout", key.weight_layout),
             s("type_k", key.type_k),
             s("type_v", key.type_v),
             b("flash_attn", key.flash_attn),
@@ -197,7 +201,7 @@ def test_hash_is_blake3_over_the_documented_stream() -> None:
 
 # Pinned: a change here means every stored page id changes (bump the domain string).
 GOLDEN_TOKENS = list(range(100, 164))
-GOLDEN_HASH = "blake3:f4bcf922acc3f8f695c79faefe79263017a36f42d357804a245b5276bf262558"
+GOLDEN_HASH = "blake3:d61a9557dcb0ce95023f594b5092386d6e62384fd86a09cf0611738fec287e44"
 
 
 def test_golden_identity() -> None:
@@ -233,7 +237,7 @@ def test_identity_key_from_stage() -> None:
         kv_unified=True,
         model_id="m",
     )
-    key = IdentityKey.from_stage(stage, model_digest="d", runtime_abi="abi", namespace="ns")
+    key = IdentityKey.from_stage(stage, model_digest="d", runtime_abi="abi", weight_layout="CPU", namespace="ns")
     assert key == IdentityKey(
         model_id="m",
         model_digest="d",
@@ -242,6 +246,7 @@ def test_identity_key_from_stage() -> None:
         layer_start=10,
         layer_end=20,
         runtime_abi="abi",
+        weight_layout="CPU",
         type_k="q8_0",
         type_v="q4_0",
         flash_attn=False,
@@ -252,7 +257,8 @@ def test_identity_key_from_stage() -> None:
     )
     # Documented exclusion: the lane count does not move the id.
     other = dataclasses.replace(stage, lane_count=1)
-    assert IdentityKey.from_stage(other, model_digest="d", runtime_abi="abi", namespace="ns") == key
+    assert IdentityKey.from_stage(other, model_digest="d", runtime_abi="abi", weight_layout="CPU",
+                                  namespace="ns") == key
 
 
 # -- incremental hashing -----------------------------------------------------------------

@@ -9,7 +9,8 @@ from skippy_cache.identity import IdentityKey, PageId, prefix_identities
 from skippy_cache.misses import MissBook, age_bucket, lengths
 
 KEY = IdentityKey(model_id="m", model_digest="d", stage_id="s", stage_index=0, layer_start=0, layer_end=1,
-                  runtime_abi="abi", type_k="f16", type_v="f16", flash_attn=True, kv_unified=True, ctx_size=4096)
+                  runtime_abi="abi", weight_layout="CPU", type_k="f16", type_v="f16", flash_attn=True,
+                  kv_unified=True, ctx_size=4096)
 
 
 def ids(tokens: list[int], namespace: str | None = None) -> dict[int, PageId]:

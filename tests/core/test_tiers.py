@@ -13,7 +13,8 @@ from skippy_cache.tiers import CacheTiers, Hit, Query, Source, Why
 
 KEY = IdentityKey(
     model_id="m", model_digest="d", stage_id="s", stage_index=0, layer_start=0, layer_end=30,
-    runtime_abi="abi", type_k="f16", type_v="f16", flash_attn=True, kv_unified=True, ctx_size=4096,
+    runtime_abi="abi", weight_layout="CPU", type_k="f16", type_v="f16", flash_attn=True, kv_unified=True,
+    ctx_size=4096,
 )
 SPACE = KEY
 MIN = 8

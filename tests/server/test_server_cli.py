@@ -107,8 +107,11 @@ def test_serve_answers_then_drains_on_sigterm(tmp_path: Path) -> None:
     for needle in ("skippy-cache server", "model ", "digest ", "n_ctx 2048", "lanes", "n_seq_max",
                    "mode lookup-record", "max entries 64", "token cap none", "reserved sequences 0..7",
                    "min_tokens 64", "stride 128", "record limit 2", "store     chunks of 64 tokens",
-                   f"disk {tmp_path / 'skippy-cache'}"):
+                   f"disk {tmp_path / 'skippy-cache'}", "weights   CPU_Mapped 92 MiB (repack ",
+                   "test decode passed in a child process"):
         assert needle in text, f"{needle!r} missing from the start-up log:\n{text}"
+    # The test decode's verdict is remembered under the cache directory.
+    assert list((tmp_path / "skippy-cache" / "weight-probes").glob("*.json"))
 
 
 PROMPT = "Restart test. " + " ".join(f"Clause {i} of the agreement binds the parties." for i in range(60))
@@ -166,11 +169,66 @@ def test_malformed_setting_exits_2_naming_it() -> None:
     assert "--ctx-size" in out.stderr
 
 
-def test_missing_model_exits_1() -> None:
-    argv = [sys.executable, "-m", "skippy_cache", "serve", "--model", "/nonexistent/model.gguf"]
-    out = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=60)
-    assert out.returncode == 1
-    assert "model file not found" in out.stderr
+def serve_fails(*args: str) -> str:
+    """`serve ARGS` must exit 2 with one line that says what is wrong, and no traceback; returns that line."""
+    argv = [sys.executable, "-m", "skippy_cache", "serve", "--cache-dir", "none", *args]
+    out = subprocess.run(argv, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("skippy-cache serve: error: ")]
+    assert len(errors) == 1, out.stderr
+    return errors[0]
+
+
+def test_missing_model_exits_2_naming_it() -> None:
+    assert "--model /nonexistent/model.gguf: not found" in serve_fails("--model", "/nonexistent/model.gguf")
+
+
+def test_a_directory_as_the_model_exits_2_naming_it(tmp_path: Path) -> None:
+    assert f"--model {tmp_path}: is a directory" in serve_fails("--model", str(tmp_path))
+
+
+@pytest.mark.parametrize("content", [b"hello, not a model\n", b"GGUF\x03\x00\x00\x00" + b"\x00" * 9],
+                         ids=["text", "truncated"])
+def test_a_file_that_is_not_a_gguf_exits_2_naming_it(tmp_path: Path, content: bytes) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(content)
+    line = serve_fails("--model", str(model))
+    assert f"--model {model}: not a GGUF model file" in line
+
+
+@pytest.mark.model
+def test_a_cache_dir_that_cannot_be_made_exits_2_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    line = serve_fails("--cache-dir", str(tmp_path / "file" / "store"))
+    assert f"--cache-dir {tmp_path / 'file' / 'store'}: cannot keep the disk tier there" in line
+    assert "--cache-dir none" in line
+
+
+def test_a_port_in_use_exits_2_before_the_model_loads() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        assert f"--port {port}: 127.0.0.1:{port} is already in use" in serve_fails("--port", str(port))
+
+
+def test_an_unknown_host_exits_2_naming_it() -> None:
+    assert "--host no-such-host.invalid: not an address of this machine" in serve_fails(
+        "--host", "no-such-host.invalid")
+
+
+def test_a_config_file_that_is_a_directory_exits_2_naming_it(tmp_path: Path) -> None:
+    assert f"config file {tmp_path}: cannot read it" in serve_fails("--config", str(tmp_path))
+
+
+def test_a_missing_tls_ca_file_exits_2_naming_it(tmp_path: Path) -> None:
+    line = serve_fails("--remote-cache", "rediss://127.0.0.1:1", "--remote-cache-tls-ca", str(tmp_path / "ca.pem"))
+    assert f"--remote-cache-tls-ca {tmp_path / 'ca.pem'}: cannot read it" in line
+
+
+def test_a_malformed_weight_repack_exits_2_naming_it() -> None:
+    assert "--weight-repack='always'" in serve_fails("--weight-repack", "always")
 
 
 def test_help_explains_every_option() -> None:

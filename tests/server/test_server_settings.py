@@ -10,6 +10,7 @@ from skippy_cache.__main__ import build_parser
 from skippy_cache.config import StageKvCacheMode
 from skippy_cache.runtime import EngineConfig
 from skippy_cache.server.settings import OPTIONS, ServerSettings, SettingsError, default_cache_dir, load_settings
+from skippy_cache.weights import WeightRepack
 
 MIB = 1024 * 1024
 
@@ -54,6 +55,17 @@ def test_store_options(tmp_path: Path) -> None:
     assert (s.cache_dir, s.chunk_tokens) == (tmp_path / "d", 128)
     with pytest.raises(SettingsError, match=r"--chunk-tokens=100 must be a multiple of 64"):
         settings(["--chunk-tokens", "100"])
+
+
+def test_weight_repack_from_cli_env_and_file(tmp_path: Path) -> None:
+    assert settings([]).engine_config().weight_repack is WeightRepack.AUTO
+    assert settings(["--weight-repack", "off"]).engine_config().weight_repack is WeightRepack.OFF
+    assert settings([], {"SKIPPY_WEIGHT_REPACK": "ON"}).weight_repack is WeightRepack.ON
+    path = write(tmp_path, "weight_repack = 'off'\n")
+    assert settings(["--config", str(path)]).weight_repack is WeightRepack.OFF
+    assert settings(["--config", str(path), "--weight-repack", "auto"]).weight_repack is WeightRepack.AUTO
+    with pytest.raises(SettingsError, match=r"SKIPPY_WEIGHT_REPACK='amx' is not a weight repack setting"):
+        settings([], {"SKIPPY_WEIGHT_REPACK": "amx"})
 
 
 def test_shared_tier_options(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ import httpx
 import redis
 
 from skippy_cache.bench.run import REPLICAS, Replicas, Run
-from skippy_cache.bench.targets import Target, free_port, launch, server_command, stop, wait_ready
+from skippy_cache.bench.targets import Target, free_port, launch, server_command, stop, wait_ready, weight_layout
 from skippy_cache.bench.workloads import calibrate, conversations, tenant_rounds
 from skippy_cache.runtime import available_cores
 
@@ -191,7 +191,7 @@ def replica_command(
     The same mode in every configuration (`fast`: fast mode, else the default, exact), so the
     configurations differ in their tiers alone.
     """
-    command = server_command(_KIND, port, model, ctx_size)
+    command = server_command(_KIND, port, model, ctx_size, repack=weight_layout(model).use_extra_bufts)
     command += (["--fast"] if fast else []) + ["--threads", str(configuration.threads)]
     return command + (["--remote-cache", remote_url] if configuration.shared else [])
 

@@ -3,6 +3,11 @@ llama-cpp-python and llama-server peers) and ones already running (`--url LABEL=
 
 A server that fails to start is not fatal: its `Target` carries the error and every request to
 it fails fast, so the report shows it as failures instead of the run stopping.
+
+Every server the bench starts gets one weight layout (`weight_layout`): skippy-cache's choice on
+this CPU, passed to it as `--weight-repack on|off` and to llama-server as `--no-repack` when it is
+off, and to llama-cpp-python's server through `plainpeer.py`. Repacked weights run other matmul
+kernels, so a peer repacking what we do not would measure kernels, not caches.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from skippy_cache.runtime import available_cores
+from skippy_cache.runtime import WeightLayout, available_cores, read_gguf_info
+from skippy_cache.weights import WeightRepack
 
 #: Labels of the servers the bench starts; "skippy-cache" is the reference of every ratio.
 SKIPPY = "skippy-cache"
@@ -95,10 +101,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def weight_layout(model: Path) -> WeightLayout:
+    """The layout skippy-cache's `auto` gives `model` on this CPU (checked in a child process, as a server does)."""
+    from skippy_cache.runtime.native import extra_weight_buffers, runtime_abi
+    from skippy_cache.runtime.weightprobe import resolve_weight_layout
+
+    gguf = read_gguf_info(model)
+    return resolve_weight_layout(WeightRepack.AUTO, extra_bufts=extra_weight_buffers(), model_path=gguf.path,
+                                 model_digest=gguf.digest, build=runtime_abi(), cache_dir=None)
+
+
 def server_command(
-    kind: str, port: int, model: Path, ctx_size: int, llama_server: Path | None = None, store_dir: Path | None = None
+    kind: str, port: int, model: Path, ctx_size: int, llama_server: Path | None = None,
+    store_dir: Path | None = None, *, repack: bool = True,
 ) -> list[str]:
-    """How the bench starts a server; skippy-cache keeps its disk tier in `store_dir` (None: no disk tier)."""
+    """How the bench starts a server; skippy-cache keeps its disk tier in `store_dir` (None: no disk tier).
+
+    `repack`: whether the weights are repacked (`weight_layout`). llama-cpp-python's server cannot
+    be told, so without repacking it runs through `plainpeer`.
+    """
     if kind in ("skippy-cache", "skippy-cache-off"):
         cmd = [
             sys.executable,
@@ -117,6 +138,8 @@ def server_command(
             "warning",
             "--cache-dir",
             str(store_dir) if store_dir is not None and kind == "skippy-cache" else "none",
+            "--weight-repack",
+            "on" if repack else "off",
         ]
         return cmd + (["--cache-mode", "off"] if kind == "skippy-cache-off" else [])
     threads = str(available_cores())
@@ -125,11 +148,11 @@ def server_command(
         # As users run it for 4 concurrent clients: 4 slots over one unified pool of ctx_size
         # cells (without --kv-unified each slot gets ctx_size / 4), as many threads as skippy-cache.
         return [str(llama_server), "-m", str(model), "-c", str(ctx_size), "-np", "4", "--kv-unified",
-                "-t", threads, "--host", "127.0.0.1", "--port", str(port)]
+                "-t", threads, "--host", "127.0.0.1", "--port", str(port), *([] if repack else ["--no-repack"])]
     return [
         sys.executable,
         "-m",
-        "llama_cpp.server",
+        "llama_cpp.server" if repack else "skippy_cache.bench.plainpeer",
         "--model",
         str(model),
         "--n_ctx",
@@ -231,6 +254,8 @@ def running_targets(
 ) -> Iterator[list[Target]]:
     """Start every server the specs ask for (all at once, then wait for each), stop them on exit."""
     targets: list[Target] = []
+    started = [spec for spec in specs if spec.kind != "url"]
+    repack = weight_layout(model).use_extra_bufts if started else True
     try:
         for spec in specs:
             if spec.kind == "url":
@@ -241,7 +266,7 @@ def running_targets(
             log_dir.mkdir(parents=True, exist_ok=True)
             # A fresh disk tier per run: a store kept from an earlier run has seen this run's prompts.
             store_dir = Path(tempfile.mkdtemp(prefix="store-", dir=log_dir)) if spec.kind == "skippy-cache" else None
-            command = server_command(spec.kind, port, model, ctx_size, llama_server, store_dir)
+            command = server_command(spec.kind, port, model, ctx_size, llama_server, store_dir, repack=repack)
             targets.append(launch(spec.label, spec.kind, command, log_dir / f"{spec.kind}.log", port))
         wait_ready(targets)
         yield targets

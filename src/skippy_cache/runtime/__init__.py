@@ -8,6 +8,8 @@ from skippy_cache.runtime.logprobs import MAX_TOP_LOGPROBS, Logprob, TokenLogpro
 from skippy_cache.runtime.native import PENALTY_LAST_N, SamplingParams, json_grammar
 from skippy_cache.runtime.prefixcache import Explanation
 from skippy_cache.runtime.remote import RTT_BUCKETS, RemoteConfig, RemoteStats, redact
+from skippy_cache.runtime.startup import StartupError
+from skippy_cache.runtime.weightprobe import WeightLayout, WeightLayoutError
 from skippy_cache.runtime.requests import (
     Completion,
     DoneEvent,
@@ -50,8 +52,11 @@ __all__ = [
     "RequestHandle",
     "RequestStats",
     "SamplingParams",
+    "StartupError",
     "TokenEvent",
     "TokenLogprobs",
+    "WeightLayout",
+    "WeightLayoutError",
     "available_cores",
     "default_model_path",
     "json_grammar",

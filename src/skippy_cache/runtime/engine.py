@@ -43,7 +43,7 @@ from skippy_cache.family import resolve_mode
 from skippy_cache.identity import IdentityKey
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.runtime.batching import BatchBuilder, Planned
-from skippy_cache.runtime.gguf_info import default_model_path, read_gguf_info
+from skippy_cache.runtime.gguf_info import ModelFileError, default_model_path, read_gguf_info
 from skippy_cache.runtime.inflight import InflightJoins
 from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolAudit, PoolView, available_cores
 from skippy_cache.runtime.lane import Lane, Phase
@@ -52,13 +52,16 @@ from skippy_cache.runtime.native import (
     Batch,
     ContextParams,
     NativeContext,
+    NativeError,
     NativeModel,
     Sampler,
+    extra_weight_buffers,
     grammar_parses,
     runtime_abi,
 )
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.runtime.prefixcache import Explanation, PrefixCache
+from skippy_cache.runtime.startup import StartupError
 from skippy_cache.runtime.statestore import open_store
 from skippy_cache.runtime.requests import (
     Completion,
@@ -78,8 +81,10 @@ from skippy_cache.runtime.requests import (
 from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.runtime.textstream import TextStream
+from skippy_cache.runtime.weightprobe import resolve_weight_layout
 from skippy_cache.stateformat import parse
 from skippy_cache.tiers import CacheTiers
+from skippy_cache.weights import weight_layout_name
 
 log = logging.getLogger("skippy_cache.engine")
 
@@ -98,7 +103,17 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, start: bool = True) -> None:
         self.config = config = config or EngineConfig()
         gguf = read_gguf_info(config.model_path or default_model_path())
-        self.model = NativeModel(gguf.path)
+        # Checked in a child process before this one loads anything: a layout that
+        # crashes this CPU must end a probe, not the server (weightprobe.py).
+        weights = resolve_weight_layout(config.weight_repack, extra_bufts=extra_weight_buffers(),
+                                        model_path=gguf.path, model_digest=gguf.digest, build=runtime_abi(),
+                                        cache_dir=config.cache_dir)
+        try:
+            self.model = NativeModel(gguf.path, use_extra_bufts=weights.use_extra_bufts)
+        except NativeError:
+            raise ModelFileError(f"--model {gguf.path}: llama.cpp could not load it (architecture "
+                                 f"{gguf.architecture!r}; the error above says why)") from None
+        weight_layout = weight_layout_name(self.model.weight_buffers)
         mode, mode_note = resolve_mode(config.cache.mode, config.cache.payload, gguf.family)
         if mode_note:
             log.warning("%s", mode_note)
@@ -115,18 +130,22 @@ class Engine:
         policy = PrefixCandidatePolicy.from_cache(config.cache)
         det = config.deterministic
         threads = config.threads or available_cores()
-        self.ctx = NativeContext(
-            self.model,
-            ContextParams(
-                n_ctx=config.ctx_size,
-                n_batch=config.n_batch,
-                n_seq_max=budgets.n_seq_max,
-                n_threads=threads,
-                type_k=config.type_k,
-                type_v=config.type_v,
-                flash_attn=config.flash_attn,
-            ),
+        context = ContextParams(
+            n_ctx=config.ctx_size,
+            n_batch=config.n_batch,
+            n_seq_max=budgets.n_seq_max,
+            n_threads=threads,
+            type_k=config.type_k,
+            type_v=config.type_v,
+            flash_attn=config.flash_attn,
         )
+        try:
+            self.ctx = NativeContext(self.model, context)
+        except NativeError:
+            self.model.close()
+            raise StartupError(f"--ctx-size {config.ctx_size}: llama.cpp could not create a context of "
+                               f"{config.ctx_size} cells for {gguf.model_id} (out of memory?); try a smaller "
+                               "--ctx-size") from None
         self.pool = CellPool(self.ctx)
         # The warm-up's one-token state also names the KV layout every stored chunk is cut in.
         warm_state = self.pool.warm_up(max(self.model.bos, 0))
@@ -135,7 +154,8 @@ class Engine:
             log.warning("%s", store_note)
         resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100)
         tiers = CacheTiers(resident, store)
-        identity_key = IdentityKey.from_stage(stage, model_digest=gguf.digest, runtime_abi=runtime_abi())
+        identity_key = IdentityKey.from_stage(stage, model_digest=gguf.digest, runtime_abi=runtime_abi(),
+                                              weight_layout=weight_layout)
         self._batch = Batch(config.n_batch)
         # The seed reserves two sequence ids per lane; the ids past the lanes
         # are spare: the first holds a step's pads (a one-row step's pad row, freed
@@ -166,6 +186,9 @@ class Engine:
         self.info = EngineInfo(
             model=gguf,
             description=self.model.description,
+            weights=weights,
+            weight_buffers=dict(self.model.weight_buffers),
+            weight_layout=weight_layout,
             n_ctx=self.pool.n_ctx,
             lanes=config.lanes,
             threads=threads,

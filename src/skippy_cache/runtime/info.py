@@ -15,7 +15,9 @@ from skippy_cache.config import (
 from skippy_cache.runtime.gguf_info import GgufInfo
 from skippy_cache.runtime.remote import RemoteConfig, RemoteStats
 from skippy_cache.runtime.steering import PlacementStats
+from skippy_cache.runtime.weightprobe import WeightLayout
 from skippy_cache.tiers import CacheStats
+from skippy_cache.weights import WeightRepack
 
 
 def default_host_cache_bytes() -> int:
@@ -51,6 +53,9 @@ class EngineConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = True
+    #: Whether llama.cpp may repack the weights into its extra CPU buffer types
+    #: (AMX, CPU_REPACK); `auto` keeps AMX off, where it faults (weights.py).
+    weight_repack: WeightRepack = WeightRepack.AUTO
     #: Cache-on output equals cache-off output bit for bit, whatever else runs:
     #: each row's kernel fixed by its request, hits that reuse only rows computed
     #: alike, every step's cells steered onto the grid and into position order
@@ -97,6 +102,12 @@ class EngineInfo:
 
     model: GgufInfo
     description: str
+    #: The layout the weights were loaded with, why, and how it was checked on this CPU.
+    weights: WeightLayout
+    #: MiB of weights per llama.cpp buffer type (`CPU_Mapped`, `CPU_REPACK`, `AMX`).
+    weight_buffers: dict[str, float]
+    #: The name the prefix identity carries (`weights.weight_layout_name`).
+    weight_layout: str
     n_ctx: int
     lanes: int
     threads: int

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import llama_cpp as ll
 import numpy as np
+from llama_cpp._ggml import libggml
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 _backend_lock = threading.Lock()
@@ -28,11 +30,22 @@ _backend_ready = False
 #: errors only. The callback object must stay referenced or ctypes frees it.
 _LOG_ERROR_LEVEL = 4
 
+#: While a model loads: the log lines that say which buffer types took its weights
+#: (`load_tensors:   CPU_REPACK model buffer size =    56.95 MiB`). llama.cpp has no
+#: call that tells, and the layout goes into the prefix identity.
+_BUFFER_LINE = re.compile(r"(\S+) model buffer size =\s*([0-9.]+) MiB")
+_load_lines: list[str] | None = None
+
 
 @ll.llama_log_callback
 def _log_callback(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-    if level == _LOG_ERROR_LEVEL and text:
+    if not text:
+        return
+    if level == _LOG_ERROR_LEVEL:
         os.write(2, text)
+    lines = _load_lines
+    if lines is not None and b"model buffer size" in text:
+        lines.append(text.decode("utf-8", "replace"))
 
 
 def init_backend(quiet: bool = True) -> None:
@@ -61,16 +74,71 @@ class NativeError(RuntimeError):
     pass
 
 
+def _ggml_fn(name: str, restype: object, *argtypes: object) -> ctypes._CFuncPtr:
+    fn = getattr(libggml, name)
+    fn.restype = restype
+    fn.argtypes = list(argtypes)
+    return fn
+
+
+_GGML_BACKEND_DEVICE_TYPE_CPU = 0
+_EXTRA_BUFTS_FN = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
+def extra_weight_buffers() -> list[str]:
+    """The extra buffer types this build's CPU backend offers for weights on this CPU (`AMX`, `CPU_REPACK`).
+
+    What `use_extra_bufts` turns on: llama.cpp asks `ggml_backend_dev_get_extra_bufts`
+    for them at load. AMX is listed only when the library was compiled for it and
+    the kernel granted the process AMX tile state.
+    """
+    init_backend()
+    dev = _ggml_fn("ggml_backend_dev_by_type", ctypes.c_void_p, ctypes.c_int)(_GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not dev:
+        return []
+    reg = _ggml_fn("ggml_backend_dev_backend_reg", ctypes.c_void_p, ctypes.c_void_p)(dev)
+    get_proc = _ggml_fn("ggml_backend_reg_get_proc_address", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
+    address = get_proc(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not address:
+        return []
+    buft_name = _ggml_fn("ggml_backend_buft_name", ctypes.c_char_p, ctypes.c_void_p)
+    bufts = _EXTRA_BUFTS_FN(address)(dev)
+    names = []
+    i = 0
+    while bufts and bufts[i]:
+        names.append(buft_name(bufts[i]).decode("utf-8", "replace"))
+        i += 1
+    return names
+
+
 class NativeModel:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, use_extra_bufts: bool) -> None:
+        """Load `path` on the CPU; `use_extra_bufts` lets llama.cpp repack weights (weights.py)."""
+        global _load_lines
         init_backend()
         params = ll.llama_model_default_params()
         # CPU only: the prefix identity leaves n_gpu_layers out on that ground (identity.py).
         params.n_gpu_layers = 0
+        params.use_extra_bufts = use_extra_bufts
         self.path = path
-        self.ptr = ll.llama_model_load_from_file(str(path).encode("utf-8"), params)
+        self.use_extra_bufts = use_extra_bufts
+        lines: list[str] = []
+        with _backend_lock:
+            _load_lines = lines
+            try:
+                self.ptr = ll.llama_model_load_from_file(str(path).encode("utf-8"), params)
+            finally:
+                _load_lines = None
         if not self.ptr:
             raise NativeError(f"llama.cpp could not load the model {path}")
+        #: MiB of weights per buffer type (`CPU_Mapped`, `CPU_REPACK`, `AMX`), as llama.cpp logged them.
+        self.weight_buffers: dict[str, float] = {}
+        for line in lines:
+            for name, mib in _BUFFER_LINE.findall(line):
+                self.weight_buffers[name] = self.weight_buffers.get(name, 0.0) + float(mib)
+        if not self.weight_buffers:
+            # A build that logs otherwise: name the switch, which still tells the layouts apart.
+            self.weight_buffers = {"extra-bufts" if use_extra_bufts else "plain": 0.0}
         self.vocab = ll.llama_model_get_vocab(self.ptr)
         self.n_vocab = ll.llama_vocab_n_tokens(self.vocab)
         self.n_layer = ll.llama_model_n_layer(self.ptr)

@@ -54,6 +54,7 @@ from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_id
 from skippy_cache.placement import ALIGN
 from skippy_cache.runtime.info import EngineConfig, default_host_cache_bytes
 from skippy_cache.runtime.remote import Prefetched, RemoteChunks
+from skippy_cache.runtime.startup import StartupError
 from skippy_cache.stateformat import Layout, StateFormatError, join, parse, split
 from skippy_cache.tiers import Hit, Source, StoreStats
 
@@ -666,7 +667,8 @@ def open_store(config: EngineConfig, warm_state: bytes | bytearray) -> tuple[Sta
 
     `warm_state` is any sequence's exported state: its layout is the one every
     chunk is cut in. A disk tier whose directory another process holds raises
-    `CacheDirBusy` (the server refuses to start, with that message).
+    `CacheDirBusy`, one that cannot be created or written `StartupError` (the
+    server refuses to start, with that message).
     """
     ram = default_host_cache_bytes() if config.host_cache_bytes is None else config.host_cache_bytes
     if ram <= 0 and config.cache_dir is None:
@@ -679,7 +681,13 @@ def open_store(config: EngineConfig, warm_state: bytes | bytearray) -> tuple[Sta
         return None, f"no state store: this model's KV state cannot be cut into chunks ({exc})"
     disk = None
     if config.cache_dir is not None:
-        disk = DiskChunks(config.cache_dir, config.disk_cache_bytes, reserve_bytes=config.disk_reserve_bytes)
+        try:
+            disk = DiskChunks(config.cache_dir, config.disk_cache_bytes, reserve_bytes=config.disk_reserve_bytes)
+        except OSError as exc:
+            raise StartupError(
+                f"--cache-dir {config.cache_dir}: cannot keep the disk tier there ({exc.strerror or exc}); "
+                "pass a writable directory, or --cache-dir none for no disk tier"
+            ) from None
     remote = None
     note = None
     if config.remote is not None and ram <= 0:

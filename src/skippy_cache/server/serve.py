@@ -7,16 +7,18 @@ closes the engine with drain, and the process exits 0.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import signal
+import socket
 
 import uvicorn
 
 from skippy_cache.config import MIN_CTX_FOR_CELL_CAP
-from skippy_cache.runtime import CacheDirBusy, Engine
+from skippy_cache.runtime import Engine, EngineInfo, StartupError
 from skippy_cache.server.app import create_app
-from skippy_cache.server.settings import ServerSettings, SettingsError
+from skippy_cache.server.settings import ServerSettings
 
 log = logging.getLogger("skippy_cache.server")
 
@@ -47,6 +49,16 @@ def _store_lines(engine: Engine) -> list[str]:
     return lines
 
 
+def weights_line(info: EngineInfo) -> str:
+    """`CPU_Mapped 92 MiB (AMX repack off: known to fault on this CPU; --weight-repack on to force)`."""
+    weights = info.weights
+    buffers = ", ".join(f"{name} {mib:.0f} MiB" for name, mib in sorted(info.weight_buffers.items()))
+    reason = weights.reason
+    if weights.use_extra_bufts and not set(weights.extra_bufts) & set(info.weight_buffers):
+        reason += f": {', '.join(weights.extra_bufts)} has no kernels for this model's weight types"
+    return f"{buffers} ({reason}; {weights.check})"
+
+
 def startup_report(engine: Engine, settings: ServerSettings) -> str:
     """The one block logged at start: model, pool, derived cache budgets."""
     info = engine.info
@@ -66,6 +78,7 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
         f"  model     {model.path}",
         f"            {info.description}, architecture {model.architecture}, id {model.model_id}",
         f"            digest {model.digest}, chat template: {template}",
+        f"  weights   {weights_line(info)}",
         f"  pool      n_ctx {info.n_ctx} cells, {info.lanes} lanes, {info.threads} threads, "
         f"n_seq_max {budgets.n_seq_max}, n_batch {info.n_batch}, "
         f"{'exact' if info.deterministic else 'fast'} mode",
@@ -87,15 +100,11 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
 
 
 def serve(settings: ServerSettings) -> int:
+    """Run the server until SIGTERM; a start-up failure a user caused raises
+    `SettingsError`, `StartupError` or `CacheDirBusy` (the CLI prints it in one line)."""
+    check_listen(settings.host, settings.port)
     log.info("loading model %s", settings.model or "(default: SmolLM2-135M-Instruct Q4_1)")
-    try:
-        engine = Engine(settings.engine_config())
-    except SettingsError as exc:
-        log.error("%s", exc)
-        return 2
-    except CacheDirBusy as exc:
-        log.error("%s", exc)
-        return 2
+    engine = Engine(settings.engine_config())
     try:
         log.info("%s", startup_report(engine, settings))
         if not _is_loopback(settings.host) and not settings.api_key:
@@ -126,6 +135,31 @@ def serve(settings: ServerSettings) -> int:
     finally:
         # Normally closed (drained) by the app's lifespan already; this covers a failed start.
         engine.close(drain=False, timeout=10.0)
+
+
+def check_listen(host: str, port: int) -> None:
+    """Fail before the model loads, in one line, when the server could not listen on `host`:`port`.
+
+    Binds each address the host resolves to (as uvicorn will) and lets go; uvicorn
+    would otherwise find out only after the model loaded, and say it in a log
+    record that names neither setting.
+    """
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartupError(f"--host {host}: not an address of this machine ({exc.strerror}); pass one such as "
+                           "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise StartupError(f"--port {port}: {host}:{port} is already in use; pass another --port, "
+                                       "or stop the server that holds it") from None
+                raise StartupError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); "
+                                   "pass another address or port") from None
 
 
 def _is_loopback(host: str) -> bool:

@@ -21,6 +21,7 @@ from pathlib import Path
 from skippy_cache.config import StageKvCacheConfig, parse_cache_mode
 from skippy_cache.placement import ALIGN
 from skippy_cache.runtime import EngineConfig, RemoteConfig, redact
+from skippy_cache.weights import WeightRepack, parse_weight_repack
 
 #: Chat requests that give no max_tokens get at most this many (or what is left
 #: of the context, if less). Unbounded, one chat request would reserve the whole
@@ -64,6 +65,8 @@ class ServerSettings:
     lanes: int = 4
     #: None: every available core.
     threads: int | None = None
+    #: Whether llama.cpp may repack the weights (AMX, CPU_REPACK); auto keeps AMX off (weights.py).
+    weight_repack: WeightRepack = WeightRepack.AUTO
     #: Bearer token required on /v1/*; None leaves the API open.
     api_key: str | None = None
     #: Requests waiting for a lane beyond this get 503 with Retry-After.
@@ -113,6 +116,7 @@ class ServerSettings:
             ctx_size=self.ctx_size,
             lanes=self.lanes,
             threads=self.threads,
+            weight_repack=self.weight_repack,
             cache=self.cache,
             deterministic=not self.fast,
             max_queue=self.queue_size,
@@ -136,6 +140,14 @@ class ServerSettings:
             except OSError as exc:
                 raise SettingsError(f"--remote-cache-password-file: cannot read it ({exc.strerror})") from None
             password = lines[0] if lines else ""
+        if self.remote_cache_tls_ca is not None:
+            # Unread, a missing CA file would surface only as every shared-tier lookup failing.
+            try:
+                with self.remote_cache_tls_ca.open("rb"):
+                    pass
+            except OSError as exc:
+                raise SettingsError(f"--remote-cache-tls-ca {self.remote_cache_tls_ca}: cannot read it "
+                                    f"({exc.strerror}); pass the CA certificate file (PEM)") from None
         return RemoteConfig(url=self.remote_cache, password=password, ttl_s=self.remote_cache_ttl,
                             timeout_ms=self.remote_cache_timeout_ms, cluster=self.remote_cache_cluster,
                             tls_ca_file=str(self.remote_cache_tls_ca) if self.remote_cache_tls_ca else None)
@@ -262,6 +274,10 @@ OPTIONS: tuple[Option, ...] = (
            "requests decoded concurrently (default 4)", "N"),
     Option("threads", "--threads", "SKIPPY_THREADS", "threads", _int(1),
            "CPU threads for llama.cpp (default: all available cores)", "N"),
+    Option("weight_repack", "--weight-repack", "SKIPPY_WEIGHT_REPACK", "weight_repack",
+           _wrap(parse_weight_repack), "let llama.cpp repack the weights for faster CPU kernels (AMX, "
+           "CPU_REPACK): auto (default: on, except AMX, which faults on current Xeons), on, off; the chosen "
+           "layout is test-decoded in a child process at first start", "MODE"),
     Option("api_key", "--api-key", "SKIPPY_API_KEY", "api_key", _optional_str,
            "require 'Authorization: Bearer KEY' on /v1/* (default: no key)", "KEY"),
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
@@ -412,6 +428,8 @@ def values_from_toml(path: Path) -> dict[str, object]:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise SettingsError(f"config file not found: {path}") from None
+    except OSError as exc:
+        raise SettingsError(f"config file {path}: cannot read it ({exc.strerror or exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
     by_key = {option.toml_name: option for option in OPTIONS}
