@@ -15,6 +15,7 @@ from rich.console import Console
 from skippy_cache.bench.llamaserver import ENV, LlamaServerError, find_llama_server
 from skippy_cache.bench.run import FULL
 from skippy_cache.bench.summary import Figure, goals
+from skippy_cache.bench import plainpeer
 from skippy_cache.bench.targets import LLAMA_SERVER, SKIPPY, server_command
 
 
@@ -42,6 +43,12 @@ def test_every_started_server_gets_one_weight_layout(tmp_path: Path) -> None:
     for repack, word in ((False, "off"), (True, "on")):
         ours = server_command(SKIPPY, 8091, Path("/m.gguf"), 8192, repack=repack)
         assert ours[ours.index("--weight-repack") + 1] == word
+    # llama-cpp-python's server has no setting for it: it runs through plainpeer, which loads plain weights.
+    assert server_command("llama-cpp-python", 8092, Path("/m.gguf"), 8192, repack=True)[2] == "llama_cpp.server"
+    assert server_command("llama-cpp-python", 8092, Path("/m.gguf"), 8192, repack=False)[2] == \
+        "skippy_cache.bench.plainpeer"
+    assert plainpeer._plain_weight_params().use_extra_bufts is False
+    assert plainpeer._default_params().use_extra_bufts is True  # llama.cpp's default, which it overrides
 
 
 def test_binary_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

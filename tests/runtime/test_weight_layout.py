@@ -64,12 +64,16 @@ def inputs(model: Path) -> dict[str, object]:
 
 
 def test_the_extra_buffers_llama_cpp_offers_match_this_cpu() -> None:
-    """AMX is offered exactly where the library was built for it on a CPU that has it, and then auto
-    turns the extra buffers off; elsewhere auto keeps what llama.cpp offers (CPU_REPACK)."""
+    """AMX is offered only where the library was built for it on a CPU that has it (and the kernel
+    granted its tile state), and then auto turns the extra buffers off; elsewhere auto keeps what
+    llama.cpp offers (CPU_REPACK)."""
     extra = extra_weight_buffers()
     flags = set(cpu_flags())
     built_for_amx = "AMX_INT8 = 1" in ll.llama_print_system_info().decode()
-    assert (AMX in extra) == (built_for_amx and "amx_int8" in flags), (extra, sorted(flags))
+    if AMX in extra:
+        assert built_for_amx and "amx_int8" in flags, (extra, sorted(flags))
+    if not built_for_amx or "amx_int8" not in flags:
+        assert AMX not in extra, (extra, sorted(flags))
     if {"avx2", "asimd"} & flags:
         assert "CPU_REPACK" in extra
     choice = choose_layout(WeightRepack.AUTO, extra)
@@ -91,8 +95,10 @@ def test_the_engine_loads_the_layout_auto_picks_and_names_it(q4_0_model: Path) -
         engine.close()
 
 
-@pytest.mark.parametrize("use_extra_bufts", [True, False])
-def test_the_real_probe_decodes_in_a_child(use_extra_bufts: bool) -> None:
+@pytest.mark.parametrize("layout", ["auto's", "plain"])
+def test_the_real_probe_decodes_in_a_child(layout: str) -> None:
+    """The layout auto picks and plain weights run here (repacked ones may not, on an AMX Xeon)."""
+    use_extra_bufts = layout == "auto's" and choose_layout(WeightRepack.AUTO, extra_weight_buffers()).use_extra_bufts
     outcome = probe_layout(default_model_path(), use_extra_bufts)
     assert outcome.ok and not outcome.crashed, outcome
 
@@ -190,7 +196,10 @@ def test_a_state_stored_with_repacked_weights_is_never_restored_without_them(q4_
 
     repacked = engine(WeightRepack.ON)
     try:
-        assert "CPU_REPACK" in repacked.info.weight_layout  # x86 (AVX2 and up) and ARM builds repack Q4_0
+        if not repacked.info.weights.use_extra_bufts:
+            pytest.skip(f"repacked weights crash on this CPU: {repacked.info.weights.reason}")
+        # x86 (AVX2 and up) and ARM builds repack Q4_0: CPU_REPACK, or AMX where it is built in.
+        assert set(repacked.info.weight_buffers) - {"CPU", "CPU_Mapped"}, repacked.info.weight_buffers
         run(repacked)
         assert run(repacked).stats.cached_tokens > 0  # a reused entry is one the idle engine exports
         persist(repacked)
@@ -198,7 +207,7 @@ def test_a_state_stored_with_repacked_weights_is_never_restored_without_them(q4_
         repacked.close()
     plain = engine(WeightRepack.OFF)
     try:
-        assert "CPU_REPACK" not in plain.info.weight_layout
+        assert plain.info.weight_layout != repacked.info.weight_layout
         assert plain.stats().cache.store.chunks.disk.found_at_start > 0
         assert run(plain).stats.cached_tokens == 0
     finally:
