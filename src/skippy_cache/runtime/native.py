@@ -121,7 +121,6 @@ class NativeModel:
         params.n_gpu_layers = 0
         params.use_extra_bufts = use_extra_bufts
         self.path = path
-        self.use_extra_bufts = use_extra_bufts
         lines: list[str] = []
         with _backend_lock:
             _load_lines = lines
