@@ -103,12 +103,9 @@ def free_port() -> int:
 
 def weight_layout(model: Path) -> WeightLayout:
     """The layout skippy-cache's `auto` gives `model` on this CPU (checked in a child process, as a server does)."""
-    from skippy_cache.runtime.native import extra_weight_buffers, runtime_abi
-    from skippy_cache.runtime.weightprobe import resolve_weight_layout
+    from skippy_cache.runtime.weightprobe import layout_for
 
-    gguf = read_gguf_info(model)
-    return resolve_weight_layout(WeightRepack.AUTO, extra_bufts=extra_weight_buffers(), model_path=gguf.path,
-                                 model_digest=gguf.digest, build=runtime_abi(), cache_dir=None)
+    return layout_for(read_gguf_info(model), WeightRepack.AUTO, cache_dir=None)
 
 
 def server_command(

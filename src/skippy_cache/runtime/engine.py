@@ -55,7 +55,6 @@ from skippy_cache.runtime.native import (
     NativeError,
     NativeModel,
     Sampler,
-    extra_weight_buffers,
     grammar_parses,
     runtime_abi,
 )
@@ -81,7 +80,7 @@ from skippy_cache.runtime.requests import (
 from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.runtime.textstream import TextStream
-from skippy_cache.runtime.weightprobe import resolve_weight_layout
+from skippy_cache.runtime.weightprobe import layout_for
 from skippy_cache.stateformat import parse
 from skippy_cache.tiers import CacheTiers
 from skippy_cache.weights import weight_layout_name
@@ -105,9 +104,7 @@ class Engine:
         gguf = read_gguf_info(config.model_path or default_model_path())
         # Checked in a child process before this one loads anything: a layout that
         # crashes this CPU must end a probe, not the server (weightprobe.py).
-        weights = resolve_weight_layout(config.weight_repack, extra_bufts=extra_weight_buffers(),
-                                        model_path=gguf.path, model_digest=gguf.digest, build=runtime_abi(),
-                                        cache_dir=config.cache_dir)
+        weights = layout_for(gguf, config.weight_repack, config.cache_dir)
         try:
             self.model = NativeModel(gguf.path, use_extra_bufts=weights.use_extra_bufts)
         except NativeError:

@@ -27,6 +27,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from skippy_cache.runtime.gguf_info import GgufInfo
+from skippy_cache.runtime.native import (
+    Batch,
+    ContextParams,
+    NativeContext,
+    NativeModel,
+    extra_weight_buffers,
+    runtime_abi,
+)
 from skippy_cache.runtime.startup import StartupError
 from skippy_cache.weights import LayoutChoice, WeightRepack, choose_layout, verdict_key
 
@@ -192,6 +201,12 @@ def resolve_weight_layout(
     )
 
 
+def layout_for(gguf: GgufInfo, setting: WeightRepack, cache_dir: Path | None) -> WeightLayout:
+    """`resolve_weight_layout` for a model file on this library build and CPU."""
+    return resolve_weight_layout(setting, extra_bufts=extra_weight_buffers(), model_path=gguf.path,
+                                 model_digest=gguf.digest, build=runtime_abi(), cache_dir=cache_dir)
+
+
 def _checked(choice: LayoutChoice, verdicts: Verdicts, flags: Sequence[str], model_path: Path,
              model_digest: str, build: str, probe: Probe) -> tuple[ProbeOutcome, str]:
     """The outcome of `choice` on this CPU (remembered or probed now), and how it was known, in words."""
@@ -214,8 +229,6 @@ def _checked(choice: LayoutChoice, verdicts: Verdicts, flags: Sequence[str], mod
 
 def _main(argv: Sequence[str]) -> int:
     """The child: load the model with the layout, decode `PROBE_TOKENS` tokens together, then one alone."""
-    from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel
-
     path, layout = Path(argv[0]), argv[1]
     model = NativeModel(path, use_extra_bufts=layout == "extra")
     ctx = NativeContext(model, ContextParams(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=os.cpu_count() or 1))
