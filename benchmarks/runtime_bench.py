@@ -1,4 +1,4 @@
-"""In-process time to first token, cache on vs off (issue: the runtime).
+"""In-process time to first token, cache on vs off.
 
     .venv/bin/python benchmarks/runtime_bench.py [--runs 10] [--model PATH]
 

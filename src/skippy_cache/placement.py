@@ -5,7 +5,7 @@ prompt row (the tiled kernel) are bit-identical only when each token's cell
 index agrees with its position modulo 64 and a sequence's cells stay in
 position order (EXACTNESS.md;
 measured: a 64- or 128-cell shift of the whole prompt changes nothing, a shift
-of 1..32 cells changes the logits by ~0.7). llama.cpp's allocator is
+of 1..32 cells changes the logits; docs/exactness.md has the figures). llama.cpp's allocator is
 first-fit from a moving head, so where a warm run's suffix lands depends on the
 pool's history. Deterministic mode therefore reads the allocator mirror
 (`CellMap`, cells.py) and, before each step, fills the free cells that stand

@@ -20,6 +20,7 @@ from rich.console import Console
 from skippy_cache.bench import WORKLOADS, BenchConfig, Sizes, TargetSpec, bench, parse_url_option
 from skippy_cache.bench import replicas as replicas_module
 from skippy_cache.bench.cli import add_arguments, config_from_args
+from skippy_cache.bench.results import headline_table
 from skippy_cache.bench.replicas import ReplicasError, configurations, find_redis_server
 from skippy_cache.bench.run import REPLICAS, planned_requests
 from skippy_cache.bench.targets import free_port
@@ -63,6 +64,7 @@ def test_every_workload_runs_counts_failures_and_writes_outputs(tmp_path: Path) 
         sizes=TINY,
         ctx_size=2048,
         out_dir=tmp_path,
+        results_dir=tmp_path / "results",
         timeout_s=60,
     )
     outcome = bench(config, Console(quiet=True, width=150))
@@ -98,6 +100,17 @@ def test_every_workload_runs_counts_failures_and_writes_outputs(tmp_path: Path) 
     assert warm_hits and all(m["cached_tokens"] > 0 for m in warm_hits)
 
     assert outcome.png_path.exists() and outcome.png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The summary kept in the repository: what ran, where, with what, and the figures; no requests.
+    summary = json.loads(outcome.summary_path.read_text())
+    assert outcome.summary_path.parent == tmp_path / "results"
+    assert summary["figures"] == doc["figures"] and "measurements" not in summary
+    assert summary["machine"]["cpu"] and summary["machine"]["cores_used"] >= 1
+    assert summary["versions"]["llama_cpp_python"] and summary["created"] == doc["created"]
+    assert "serve" in summary["targets"][0]["command"] and summary["targets"][1]["command"] is None
+    table = headline_table(summary)
+    assert table.splitlines()[0] == "| workload | figure | skippy-cache | dead |"
+    assert table.splitlines()[-1] == f"| all | failed requests | 0 | {len(dead)} |"
 
 
 def test_cli_options_map_to_config() -> None:
@@ -165,6 +178,7 @@ def test_replicas_workload_shares_state_through_redis(tmp_path: Path) -> None:
         sizes=TINY_REPLICAS,
         ctx_size=2048,
         out_dir=tmp_path,
+        results_dir=tmp_path / "results",
         timeout_s=60,
         replicas=2,
     )

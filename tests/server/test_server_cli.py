@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from metric_docs import undocumented
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -281,6 +282,7 @@ def test_two_servers_on_one_redis_share_a_prefix(tmp_path: Path, redis_with_pass
         metrics = httpx.get(f"{second.url}/metrics", timeout=10).text
         assert f"skippy_remote_hits_total {chunks}.0" in metrics
         assert "skippy_remote_round_trip_seconds_bucket" in metrics
+        assert not undocumented(metrics), "add them to the metrics table of docs/serving/endpoints.md"
     finally:
         first.stop()
         second.stop()

@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from live_server import LiveServer, run_own_server
+from metric_docs import SHARED_TIER_PREFIX, documented_metrics, exposed_metrics, undocumented
 from openai.types import Completion
 
 from skippy_cache.runtime import Engine
@@ -107,6 +109,13 @@ def test_metrics_parse_and_move(server: LiveServer) -> None:
     assert value(after, "skippy_cache_resident_tokens") > 0
     assert 0 < value(after, "skippy_prompt_cache_hit_ratio") <= 1
     assert value(after, "skippy_lanes_total") == server.settings.lanes
+
+
+def test_every_metric_is_in_the_docs_and_every_documented_one_exists(server: LiveServer) -> None:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert not undocumented(text), "add them to the metrics table of docs/serving/endpoints.md"
+    missing = set(documented_metrics()) - set(exposed_metrics(text))
+    assert {name for name in missing if not name.startswith(SHARED_TIER_PREFIX)} == set()
 
 
 def test_exact_mode_placement_in_metrics(exact_server: LiveServer) -> None:

@@ -1,4 +1,4 @@
-"""`skippy-cache bench`: skippy-cache against the servers its users would otherwise run (issue 5)."""
+"""`skippy-cache bench`: skippy-cache against the servers its users would otherwise run."""
 
 from skippy_cache.bench.cli import BenchConfig, BenchOutcome, bench, main
 from skippy_cache.bench.run import FULL, QUICK, WORKLOADS, Measurement, Sizes

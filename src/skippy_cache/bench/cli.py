@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import datetime as dt
 import os
-import platform
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from skippy_cache.bench.replicas import (
     replicas,
 )
 from skippy_cache.bench.report import render_replicas_table, render_table, write_chart, write_json
+from skippy_cache.bench.results import DEFAULT_RESULTS_DIR, machine, summarize, versions, write_summary
 from skippy_cache.bench.run import (
     ALL_WORKLOADS,
     FULL,
@@ -72,6 +72,8 @@ class BenchConfig:
     ctx_size: int = DEFAULT_CTX_SIZE
     model: Path | None = None
     out_dir: Path = Path("bench-results")
+    #: Where the run's summary JSON goes (the docs' figures are rendered from the newest one).
+    results_dir: Path = DEFAULT_RESULTS_DIR
     timeout_s: float = DEFAULT_TIMEOUT_S
     seed: int = 0
     reference: str | None = None
@@ -87,6 +89,7 @@ class BenchConfig:
 class BenchOutcome:
     json_path: Path
     png_path: Path
+    summary_path: Path
     document: dict[str, Any]
 
 
@@ -168,6 +171,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory for the JSON, the PNG and server logs (default bench-results/)",
     )
     parser.add_argument(
+        "--results",
+        type=Path,
+        default=DEFAULT_RESULTS_DIR,
+        metavar="DIR",
+        help=f"directory for the run's summary JSON: command, machine, versions, date, figures "
+        f"(default {DEFAULT_RESULTS_DIR}/; `make docs` renders the README's table from the newest)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="tiny sizes for a smoke run (figures mean little)"
     )
     parser.add_argument(
@@ -223,6 +234,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ctx_size=args.ctx_size,
         model=args.model,
         out_dir=args.out,
+        results_dir=args.results,
         timeout_s=args.timeout,
         seed=args.seed,
         reference=args.reference,
@@ -252,7 +264,7 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
     if load_before[0] > BUSY_LOAD:
         # Two llama.cpp processes on 2 cores do not share gracefully: each graph op ends in a
         # thread barrier, and a descheduled thread stalls it for a time slice, so a 1-token decode
-        # that takes ~3 ms idle took ~3 s here while another llama.cpp process ran.
+        # took a thousand times longer while another llama.cpp process ran (docs/benchmarks).
         console.print(
             f"[bold yellow]warning[/]: load average {load_before[0]:.2f} before starting: something else "
             "is using the CPU; llama.cpp timings under contention can be 100x off (JSON: machine.load)"
@@ -282,12 +294,9 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
     document = {
         "created": dt.datetime.now().isoformat(timespec="seconds"),
         "command": sys.argv,
-        "machine": {
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cores": _cores(),
-            "load": {"before": load_before, "after": os.getloadavg()},  # 1, 5, 15-minute averages
-        },
+        # Load: 1, 5 and 15-minute averages before and after the run.
+        "machine": machine(load_before, os.getloadavg(), _cores()),
+        "versions": versions(),
         "config": {
             "ctx_size": config.ctx_size,
             "model": str(model) if model else None,
@@ -312,6 +321,7 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
     json_path = config.out_dir / f"bench-{stamp}.json"
     png_path = config.out_dir / f"bench-{stamp}.png"
     write_json(json_path, document)
+    summary_path = write_summary(config.results_dir, summarize(document))
     chart_labels = labels + ([*CONFIGURATIONS] if replica_part else [])
     write_chart(png_path, figs + replica_figs, chart_labels, config.workloads)
     if reference is not None:
@@ -333,8 +343,8 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
         console.print(f"[bold red]{failed} request(s) failed[/]; first errors:")
         for m in [m for m in recorded.measurements if not m.ok][:5]:
             console.print(f"  {m.workload}/{m.target}/{m.group}: {m.error}", highlight=False, markup=False)
-    console.print(f"JSON: {json_path}\nPNG:  {png_path}")
-    return BenchOutcome(json_path, png_path, document)
+    console.print(f"JSON: {json_path}\nPNG:  {png_path}\nsummary: {summary_path} (make docs renders it)")
+    return BenchOutcome(json_path, png_path, summary_path, document)
 
 
 def _measure_targets(
@@ -451,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="skippy-cache bench",
         description="Benchmark skippy-cache against the servers its users would otherwise run: the warm, "
-        "tenants, chat and zero workloads of issue 5, streamed, TTFT at the first streamed token; "
+        "tenants, chat and zero workloads, streamed, TTFT at the first streamed token; "
         "the replicas workload (when asked for) measures skippy-cache replicas with and without a "
         "shared tier.",
     )

@@ -77,7 +77,7 @@ def _value(fig: Figure, label: str) -> Text:
 
 
 def _ratio(fig: Figure, top: str, bottom: str) -> Text:
-    """top / bottom for TTFT rows (where the issue's goals are ratios), blank for the others."""
+    """top / bottom for TTFT rows (where the replicas goals are ratios), blank for the others."""
     a, b = fig.values.get(top), fig.values.get(bottom)
     if fig.unit != "ms" or a is None or not b:
         return Text("")

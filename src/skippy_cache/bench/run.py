@@ -15,7 +15,7 @@ from typing import Any
 from skippy_cache.bench.client import BenchClient, Reply
 from skippy_cache.bench.targets import Target
 
-#: The default workloads, run on the targets (the issue's order).
+#: The default workloads, run on the targets, in this order.
 WORKLOADS = ("warm", "tenants", "chat", "zero")
 #: Starts its own servers (replicas.py) and is run only when asked for: it needs redis-server
 #: and restarts servers for each of its configurations.
@@ -25,7 +25,7 @@ ALL_WORKLOADS = (*WORKLOADS, REPLICAS)
 
 @dataclass(frozen=True, slots=True)
 class Sizes:
-    """The issue's workload parameters (`FULL`) or a smoke run's (`QUICK`). Token sizes are aims."""
+    """The workloads' parameters for a full run (`FULL`) or a smoke run's (`QUICK`). Token sizes are aims."""
 
     warm_prompt_tokens: tuple[int, ...] = (128, 2000)
     warm_repeats: int = 10

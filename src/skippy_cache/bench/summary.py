@@ -185,7 +185,7 @@ def overheads(figs: list[Figure], on: str, off: str) -> dict[str, float | None]:
 
 @dataclass(frozen=True, slots=True)
 class Goal:
-    """One of the issue's targets: `met` None where a side of it was not measured."""
+    """One goal a run is checked against: `met` None where a side of it was not measured."""
 
     name: str
     want: str
@@ -197,7 +197,7 @@ class Goal:
 
 
 def goals(figs: list[Figure], sizes: Sizes, reference: str, off: str | None, peers: list[str]) -> list[Goal]:
-    """The issue's "targets to reach", checked on this run's figures (the largest warm prompt)."""
+    """The goals against the reference and the peers, checked on this run's figures (the largest warm prompt)."""
 
     def value(workload: str, name: str, label: str) -> float | None:
         return next((f.values.get(label) for f in figs if f.workload == workload and f.name == name), None)
@@ -318,7 +318,7 @@ def replica_figures(measurements: list[Measurement], configurations: list[str]) 
 
 
 def replica_goals(figs: list[Figure], shared: str, alone: str, single: str) -> list[Goal]:
-    """The issue's goals for replicas sharing a tier, on later-round TTFT p50 of each traffic."""
+    """The goals for replicas sharing a tier, on later-round TTFT p50 of each traffic."""
     out: list[Goal] = []
     for traffic, _, rest in _REPLICA_TRAFFIC:
         row = f"{traffic} {rest}: TTFT p50"

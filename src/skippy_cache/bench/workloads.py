@@ -1,4 +1,4 @@
-"""The four workloads of issue 5, each a coroutine over a `Run`'s targets.
+"""The four workloads, each a coroutine over a `Run`'s targets.
 
 The tenants and chat traffic are also sent, unchanged, to groups of replicas (`tenant_rounds` and
 `conversations` take a `Replicas` target and a group prefix; replicas.py drives them).

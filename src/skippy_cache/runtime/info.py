@@ -45,7 +45,7 @@ class EngineConfig:
     n_batch: int = 512
     #: Further lanes' prefill chunks join a step only while it holds fewer
     #: tokens than this (batching.py): about where a CPU matmul stops getting
-    #: cheaper per token (SmolLM2-135M on 2 cores: 6.3 ms/token at 64, 4.6 at 128 and 256).
+    #: cheaper per token (docs/scheduling.md has the measurements).
     fill_tokens: int = 128
     #: None: every available core.
     threads: int | None = None

@@ -381,7 +381,8 @@ class Sampler:
     The grammar is kept out of the chain and checked against the chain's pick
     (one token), the chain running again over the grammar's survivors only when
     the pick breaks it: llama.cpp's `common_sampler_sample` does this because
-    applying a grammar to the whole vocabulary costs ~15 ms a token here.
+    applying a grammar to the whole vocabulary costs a walk of every token's
+    text for every sampled token.
     """
 
     def __init__(self, params: SamplingParams, model: NativeModel, prompt: Sequence[int] = ()) -> None:

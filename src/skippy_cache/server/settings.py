@@ -395,6 +395,23 @@ def options_summary() -> str:
     return "\n".join(lines)
 
 
+def options_markdown() -> str:
+    """The settings as a Markdown table, for the docs (`make docs` writes it; a test compares)."""
+    lines = [
+        "| option | environment | TOML key | meaning |",
+        "|---|---|---|---|",
+        f"| `--config FILE` | `{CONFIG_ENV}` | | TOML file with the settings below |",
+    ]
+    for option in OPTIONS:
+        flag = f"`{option.flag} {option.metavar}`" if option.metavar else f"`{option.flag}`"
+        if option.is_bool:
+            flag += f", `--no-{option.flag.removeprefix('--')}`"
+        key = f"`{option.toml}` in `[cache]`" if option.is_cache else f"`{option.toml}`"
+        meaning = option.help.replace("|", "\\|")
+        lines.append(f"| {flag} | `{option.env}` | {key} | {meaning} |")
+    return "\n".join(lines)
+
+
 def values_from_args(args: argparse.Namespace) -> dict[str, object]:
     values: dict[str, object] = {}
     for option in OPTIONS:

@@ -1,0 +1,94 @@
+"""Writes the generated parts of the README and the docs; `--check` fails if any is stale.
+
+Each generated part sits between two markers in its file:
+
+    <!-- generated: NAME (make docs) -->
+    ...
+    <!-- end generated: NAME -->
+
+and is rendered from what it documents: the settings table from `server/settings.py`, the
+benchmark figures from the newest summary in `benchmarks/results/`. Hand-written text around the
+markers stays as it is. The test suite runs `--check`, so a setting added in code without
+`make docs` (or a table edited by hand) fails it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from skippy_cache.bench import results
+from skippy_cache.server.settings import options_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / results.DEFAULT_RESULTS_DIR
+
+
+def _latest_peer_run() -> tuple[Path, dict, list[Path]]:
+    summaries = results.load_summaries(RESULTS)
+    found = results.latest(summaries, peers=True)
+    if found is None:
+        raise SystemExit(f"no summary of a run against a peer server in {RESULTS}: run skippy-cache bench --peer ...")
+    path, summary = found
+    older = [p for p, _ in summaries if p != path]
+    return path, summary, older
+
+
+def readme_figures() -> str:
+    path, summary, _ = _latest_peer_run()
+    return "\n".join([
+        results.headline_table(summary),
+        "",
+        results.run_line(summary) + " Ratio = peer / skippy-cache; every figure of the run is in "
+        "[docs/benchmarks/results.md](docs/benchmarks/results.md).",
+    ])
+
+
+def results_page() -> str:
+    path, summary, older = _latest_peer_run()
+    return results.results_page(summary, path.relative_to(ROOT), [p.relative_to(ROOT) for p in older])
+
+
+#: (file, part name) -> renderer.
+PARTS: dict[tuple[str, str], Callable[[], str]] = {
+    ("README.md", "figures"): readme_figures,
+    ("docs/benchmarks/results.md", "results"): results_page,
+    ("docs/serving/settings.md", "settings"): options_markdown,
+}
+
+
+def render(text: str, name: str, body: str, file: str) -> str:
+    pattern = re.compile(
+        rf"(<!-- generated: {re.escape(name)} \(make docs\) -->\n).*?(<!-- end generated: {re.escape(name)} -->)",
+        re.DOTALL,
+    )
+    if not pattern.search(text):
+        raise SystemExit(f"{file}: no markers for the generated part {name!r}")
+    return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text, count=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a part is stale")
+    args = parser.parse_args(argv)
+    stale = []
+    for (file, name), renderer in PARTS.items():
+        path = ROOT / file
+        text = path.read_text()
+        new = render(text, name, renderer(), file)
+        if new != text:
+            stale.append(f"{file} ({name})")
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print(f"stale generated docs: {', '.join(stale)}; run `make docs`", file=sys.stderr)
+        return 1
+    print("\n".join(f"wrote {s}" for s in stale) or "generated docs are current")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
