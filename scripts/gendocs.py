@@ -33,8 +33,12 @@ def _latest_peer_run() -> tuple[Path, dict, list[Path]]:
     if found is None:
         raise SystemExit(f"no summary of a run against a peer server in {RESULTS}: run skippy-cache bench --peer ...")
     path, summary = found
-    older = [p for p, _ in summaries if p != path]
-    return path, summary, older
+    others = [p for p, _ in summaries if p != path]
+    return path, summary, others
+
+
+def readme_glance() -> str:
+    return results.at_a_glance(_latest_peer_run()[1])
 
 
 def readme_figures() -> str:
@@ -42,18 +46,20 @@ def readme_figures() -> str:
     return "\n".join([
         results.headline_table(summary),
         "",
-        results.run_line(summary) + " Ratio = peer / skippy-cache; every figure of the run is in "
+        results.run_line(summary) + " Ratio = peer / skippy-cache: on a time, above 1 means the peer "
+        "is slower; on a rate (/s), that it is faster. Every figure of the run: "
         "[docs/benchmarks/results.md](docs/benchmarks/results.md).",
     ])
 
 
 def results_page() -> str:
-    path, summary, older = _latest_peer_run()
-    return results.results_page(summary, path.relative_to(ROOT), [p.relative_to(ROOT) for p in older])
+    path, summary, others = _latest_peer_run()
+    return results.results_page(summary, path.relative_to(ROOT), [p.relative_to(ROOT) for p in others])
 
 
 #: (file, part name) -> renderer.
 PARTS: dict[tuple[str, str], Callable[[], str]] = {
+    ("README.md", "glance"): readme_glance,
     ("README.md", "figures"): readme_figures,
     ("docs/benchmarks/results.md", "results"): results_page,
     ("docs/serving/settings.md", "settings"): options_markdown,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from skippy_cache.bench.results import headline_table, latest, load_summaries, results_page, write_summary
+from skippy_cache.bench.results import at_a_glance, headline_table, latest, load_summaries, results_page, write_summary
 
 
 def _summary(created: str, peers: tuple[str, ...] = ("llama-server",)) -> dict:
@@ -68,3 +68,17 @@ def test_latest_is_the_newest_run_of_the_asked_kind(tmp_path: Path) -> None:
     assert latest(found)[1]["created"] == "2026-12-05T03:00:00"
     assert latest(found, replicas=True) is None
     assert json.loads(path.read_text()) == newest
+
+
+def test_at_a_glance_says_faster_or_slower_per_peer() -> None:
+    summary = _summary("2026-12-05T01:00:00", peers=("llama-server", "llama-cpp-python"))
+    for fig in summary["figures"]:
+        if fig["name"] == "turn 2: TTFT p50":
+            fig["values"]["llama-server"] = 501.0  # skippy-cache 1,002 ms: half of the peer's time
+    lines = at_a_glance(summary).splitlines()
+    assert lines == [
+        "- against **llama-server**: time to first token from 2.00x slower to 1.00x faster on chat turns 2-3, "
+        "1.00x faster on chat turn 1, 1.00x faster on a warm 128-token hit, 2.00x faster on a cold 128-token prompt.",
+        "- against **llama-cpp-python**: time to first token 1.00x faster on chat turns 2-3, 1.00x faster on "
+        "chat turn 1, 1.00x faster on a warm 128-token hit, 3.00x faster on a cold 128-token prompt.",
+    ]

@@ -199,6 +199,54 @@ def headline_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def at_a_glance(summary: dict[str, Any]) -> str:
+    """One line per peer: how much faster or slower skippy-cache was on the figures users compare."""
+    reference = summary["config"].get("reference") or _REFERENCE_LABEL
+    sizes = summary["config"]["sizes"]
+    size = max(sizes["warm_prompt_tokens"])
+    turns = range(2, sizes["chat_turns"] + 1)
+    lines = []
+    for label in [t["label"] for t in summary["targets"] if t["kind"] in PEER_KINDS]:
+        def ratios(workload: str, names: Iterable[str], rate: bool = False) -> list[float]:
+            out = []
+            for name in names:
+                values = _figure(summary, workload, name)
+                ours, theirs = values.get(reference), values.get(label)
+                if ours and theirs:
+                    out.append(ours / theirs if rate else theirs / ours)
+            return out
+
+        parts = [
+            (f"chat turns 2-{turns[-1]}", ratios("chat", [f"turn {t}: TTFT p50" for t in turns])),
+            ("chat turn 1", ratios("chat", ["turn 1: TTFT p50"])),
+            (f"a warm {size:,}-token hit", ratios("warm", [f"P={size}: warm TTFT median"])),
+            ("tenants' later rounds (p50)", ratios("tenants", ["later rounds: TTFT p50"])),
+            (f"a cold {size:,}-token prompt", ratios("warm", [f"P={size}: cold TTFT"])),
+        ]
+        said = ", ".join(f"{_speed(r)} on {what}" for what, r in parts if r)
+        rate = ratios("zero", ["requests per second"], rate=True)
+        if said or rate:
+            ttft = f"time to first token {said}" if said else ""
+            throughput = f"throughput {_speed(rate)} on distinct prompts" if rate else ""
+            lines.append(f"- against **{label}**: " + "; ".join(p for p in (ttft, throughput) if p) + ".")
+    return "\n".join(lines)
+
+
+def _speed(ratios: list[float]) -> str:
+    """`1.30x faster`, `1.07x slower`, or a range `1.06x to 2.42x faster` (ratio above 1: faster)."""
+    def one(r: float) -> str:
+        return f"{r:.2f}x faster" if r >= 1 else f"{1 / r:.2f}x slower"
+
+    low, high = min(ratios), max(ratios)
+    if len(ratios) == 1 or f"{low:.2f}" == f"{high:.2f}":
+        return one(low)
+    if low >= 1:
+        return f"{low:.2f}x to {high:.2f}x faster"
+    if high < 1:
+        return f"{1 / high:.2f}x to {1 / low:.2f}x slower"
+    return f"from {one(low)} to {one(high)}"
+
+
 def _cell(values: dict[str, float | None], unit: str, label: str, reference: str | None) -> str:
     """One figure of one target; with its ratio to `reference` when one is given."""
     if label not in values:
@@ -308,8 +356,8 @@ def _short_server_command(command: list[str]) -> str:
     return shlex.join(words)
 
 
-def results_page(summary: dict[str, Any], path: Path, older: list[Path]) -> str:
-    """The docs' results page body for one run (`path`), older summaries listed by file name."""
+def results_page(summary: dict[str, Any], path: Path, others: list[Path]) -> str:
+    """The docs' results page body for one run (`path`), the other summaries listed by file name."""
     parts = [run_line(summary), "", f"Source: `{path.as_posix()}`. Ratio = target / skippy-cache "
              "(below 1: the target is faster on a time, slower on a rate).", "", "## Headline", "",
              headline_table(summary), ""]
@@ -319,6 +367,6 @@ def results_page(summary: dict[str, Any], path: Path, older: list[Path]) -> str:
     if summary["goals"]:
         parts += ["## Targets", "", goals_table(summary), ""]
     parts += ["## Servers", "", targets_list(summary), ""]
-    if older:
-        parts += ["## Earlier summaries", "", "\n".join(f"- `{p.as_posix()}`" for p in reversed(older)), ""]
+    if others:
+        parts += ["## Other summaries", "", "\n".join(f"- `{p.as_posix()}`" for p in reversed(others)), ""]
     return "\n".join(parts).rstrip() + "\n"

@@ -60,7 +60,7 @@ class EngineConfig:
     #: each row's kernel fixed by its request, hits that reuse only rows computed
     #: alike, every step's cells steered onto the grid and into position order
     #: (EXACTNESS.md, exact.py, batching.py, steering.py). False is fast mode:
-    #: hits at any length and a little more speed, with output that may move in
+    #: hits at any length, with output that may move in
     #: the last float bits with batching and pool occupancy.
     deterministic: bool = True
     max_queue: int = 64

@@ -71,8 +71,8 @@ class ServerSettings:
     api_key: str | None = None
     #: Requests waiting for a lane beyond this get 503 with Retry-After.
     queue_size: int = 64
-    #: Fast mode: hits at any length, a little faster; output may move in the last
-    #: float bits with batching and pool occupancy (default: exact mode).
+    #: Fast mode: hits at any length; output may move in the last float bits with
+    #: batching and pool occupancy (default: exact mode).
     fast: bool = False
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     model_alias: str = DEFAULT_MODEL_ALIAS
@@ -283,7 +283,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
            "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
     Option("fast", "--fast", "SKIPPY_FAST", "fast", _bool,
-           "fast mode: hits at any length, a little faster, but output may move in the last float bits "
+           "fast mode: hits at any length, but output may move in the last float bits "
            "with other traffic and with cache hits (default off: cache-on output equals cache-off output "
            "bit for bit)", is_bool=True),
     Option("default_max_tokens", "--default-max-tokens", "SKIPPY_DEFAULT_MAX_TOKENS", "default_max_tokens",
