@@ -29,9 +29,10 @@ RESULTS = ROOT / results.DEFAULT_RESULTS_DIR
 
 def _latest_peer_run() -> tuple[Path, dict, list[Path]]:
     summaries = results.load_summaries(RESULTS)
-    found = results.latest(summaries, peers=True)
+    found = results.latest_against_peers(summaries)
     if found is None:
-        raise SystemExit(f"no summary of a run against a peer server in {RESULTS}: run skippy-cache bench --peer ...")
+        raise SystemExit(f"no summary of a run against a peer server in {RESULTS}: "
+                         "run skippy-cache bench --peer ...")
     path, summary = found
     others = [p for p, _ in summaries if p != path]
     return path, summary, others
@@ -68,7 +69,8 @@ PARTS: dict[tuple[str, str], Callable[[], str]] = {
 
 def render(text: str, name: str, body: str, file: str) -> str:
     pattern = re.compile(
-        rf"(<!-- generated: {re.escape(name)} \(make docs\) -->\n).*?(<!-- end generated: {re.escape(name)} -->)",
+        rf"(<!-- generated: {re.escape(name)} \(make docs\) -->\n).*?"
+        rf"(<!-- end generated: {re.escape(name)} -->)",
         re.DOTALL,
     )
     if not pattern.search(text):

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 #: The README says what, how to start, how fast and where to read more; the rest is in docs/.
 README_MAX_LINES = 250
+PAGES = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md"))
 
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 _HTML_LINK = re.compile(r"""(?:href|src)=["']([^"']+)["']""")
@@ -89,14 +90,14 @@ def test_every_setting_is_documented_and_nothing_else() -> None:
 def test_site_builds_with_no_warning(tmp_path: Path) -> None:
     """`mkdocs build --strict`: a broken link, a missing page or a page left out of the nav fails it."""
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          capture_output=True, text=True, cwd=ROOT, env=env)
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "WARNING" not in done.stderr, done.stderr
     assert (tmp_path / "site" / "index.html").exists()
 
 
-@pytest.mark.parametrize("page", sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")))
+@pytest.mark.parametrize("page", PAGES)
 def test_no_page_is_a_placeholder(page: str) -> None:
     text = (ROOT / "docs" / page).read_text()
     assert len(text.splitlines()) > 5 and "TODO" not in text, f"docs/{page} is a placeholder"

@@ -14,13 +14,20 @@ SHARED_TIER_PREFIX = "skippy_remote_"
 
 def documented_metrics() -> dict[str, str]:
     """Family name -> type, from the rows of the page's metrics table."""
-    rows = re.findall(r"^\| `(skippy_[a-z0-9_]+)` \| (counter|gauge|histogram) \|", PAGE.read_text(), re.MULTILINE)
+    row = re.compile(r"^\| `(skippy_[a-z0-9_]+)` \| (counter|gauge|histogram) \|", re.MULTILINE)
+    rows = row.findall(PAGE.read_text())
     return dict(rows)
 
 
 def exposed_metrics(text: str) -> dict[str, str]:
-    """Family name -> type, as prometheus_client parses a /metrics page (counters without `_total`)."""
-    return {family.name: family.type for family in text_string_to_metric_families(text)}
+    """Family name -> type, as prometheus_client parses a /metrics page (counters without `_total`).
+
+    prometheus_client's own counters and histograms also export `NAME_created` (their start
+    time), which the text parser reads as a family of its own: it is part of NAME, not a metric.
+    """
+    families = {family.name: family.type for family in text_string_to_metric_families(text)}
+    return {name: kind for name, kind in families.items()
+            if not (name.endswith("_created") and name.removesuffix("_created") in families)}
 
 
 def undocumented(text: str) -> list[str]:

@@ -9,7 +9,6 @@ README's figures table and the docs' results page are rendered from the newest s
 
 from __future__ import annotations
 
-import datetime as dt
 import importlib.metadata
 import json
 import os
@@ -110,11 +109,12 @@ def summarize(document: dict[str, Any]) -> dict[str, Any]:
 def _replica_setup(part: dict[str, Any] | None) -> dict[str, Any] | None:
     if part is None:
         return None
-    return {"configurations": [{k: c.get(k) for k in ("name", "summary")} for c in part.get("configurations", [])]}
+    configurations = part.get("configurations", [])
+    return {"configurations": [{k: c.get(k) for k in ("name", "summary")} for c in configurations]}
 
 
 def write_summary(results_dir: Path, summary: dict[str, Any]) -> Path:
-    """`results_dir/<date>T<time>.json`, named by the run's start so files sort by time."""
+    """`results_dir/<date>T<time>.json`, named by when the run ended, so the files sort by time."""
     results_dir.mkdir(parents=True, exist_ok=True)
     stamp = summary["created"].replace(":", "")
     path = results_dir / f"{stamp}.json"
@@ -128,16 +128,12 @@ def load_summaries(results_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     return sorted(found, key=lambda item: item[1]["created"])
 
 
-def latest(summaries: list[tuple[Path, dict[str, Any]]], *, peers: bool = False,
-           replicas: bool = False) -> tuple[Path, dict[str, Any]] | None:
-    """The newest summary that started a peer server (`peers`: llama-server, llama-cpp-python; a
-    `--url` server does not count) or ran the replicas workload (`replicas`)."""
+def latest_against_peers(summaries: list[tuple[Path, dict[str, Any]]]) -> tuple[Path, dict[str, Any]] | None:
+    """The newest summary of a run that started a peer server (llama-server, llama-cpp-python): the
+    one the README quotes. A `--url` server does not count: it may be anything, fast mode included."""
     for path, summary in reversed(summaries):
-        if peers and not any(t["kind"] in PEER_KINDS for t in summary["targets"]):
-            continue
-        if replicas and summary.get("replicas") is None:
-            continue
-        return path, summary
+        if any(t["kind"] in PEER_KINDS for t in summary["targets"]):
+            return path, summary
     return None
 
 
@@ -145,7 +141,8 @@ def latest(summaries: list[tuple[Path, dict[str, Any]]], *, peers: bool = False,
 
 
 def _figure(summary: dict[str, Any], workload: str, name: str) -> dict[str, float | None]:
-    return next((f["values"] for f in summary["figures"] if f["workload"] == workload and f["name"] == name), {})
+    figures = summary["figures"]
+    return next((f["values"] for f in figures if f["workload"] == workload and f["name"] == name), {})
 
 
 def _ms(value: float | None) -> str:
@@ -342,7 +339,9 @@ def goals_table(summary: dict[str, Any]) -> str:
 def targets_list(summary: dict[str, Any]) -> str:
     lines = []
     for target in summary["targets"]:
-        command = f"`{_short_server_command(target['command'])}`" if target["command"] else "(already running)"
+        command = "(already running)"
+        if target["command"]:
+            command = f"`{_short_server_command(target['command'])}`"
         error = f" (did not start: {target['error']})" if target["error"] else ""
         lines.append(f"- **{target['label']}**: {command}{error}")
     return "\n".join(lines)
