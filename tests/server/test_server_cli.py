@@ -109,7 +109,7 @@ def test_serve_answers_then_drains_on_sigterm(tmp_path: Path) -> None:
                    "mode lookup-record", "max entries 64", "token cap none", "reserved sequences 0..7",
                    "min_tokens 64", "stride 128", "record limit 2", "store     chunks of 64 tokens",
                    f"disk {tmp_path / 'skippy-cache'}", "weights   CPU_Mapped 92 MiB (",
-                   "test decode passed in a child process"):
+                   "test decode passed in a child process", "chat template: GGUF tokenizer.chat_template"):
         assert needle in text, f"{needle!r} missing from the start-up log:\n{text}"
     # The test decode's verdict is remembered under the cache directory.
     assert list((tmp_path / "skippy-cache" / "weight-probes").glob("*.json"))
@@ -226,6 +226,34 @@ def test_a_config_file_that_is_a_directory_exits_2_naming_it(tmp_path: Path) -> 
 def test_a_missing_tls_ca_file_exits_2_naming_it(tmp_path: Path) -> None:
     line = serve_fails("--remote-cache", "rediss://127.0.0.1:1", "--remote-cache-tls-ca", str(tmp_path / "ca.pem"))
     assert f"--remote-cache-tls-ca {tmp_path / 'ca.pem'}: cannot read it" in line
+
+
+@pytest.mark.model
+def test_a_builtin_chat_template_serves_chat_and_is_named_at_start() -> None:
+    server = Served("--ctx-size", "2048", "--cache-dir", "none", "--chat-template", "gemma", env=clean_env())
+    try:
+        server.wait_ready()
+        client = server.client()
+        question = " ".join(["Tell me about the weather in the mountains in early spring, please."] * 6)
+        out = client.chat.completions.create(
+            model="skippy-cache", messages=[{"role": "user", "content": question}], max_tokens=4, temperature=0)
+        assert out.choices[0].finish_reason in ("stop", "length")
+        # The chat's prompt was llama.cpp's gemma rendering: the same text as a completion is the
+        # same tokens, an exact repeat of the chat's prompt, served whole from the cache.
+        raw = client.completions.create(
+            model="skippy-cache", prompt=f"<start_of_turn>user\n{question}<end_of_turn>\n<start_of_turn>model\n",
+            max_tokens=1, temperature=0)
+        assert raw.usage.prompt_tokens == out.usage.prompt_tokens
+        assert raw.usage.prompt_tokens_details.cached_tokens == raw.usage.prompt_tokens
+    finally:
+        server.stop()
+    assert "chat template: llama.cpp built-in 'gemma' (--chat-template)" in server.text
+
+
+def test_an_unknown_chat_template_exits_2_naming_the_choices() -> None:
+    line = serve_fails("--chat-template", "gemmaa")
+    assert "--chat-template='gemmaa' is neither a Jinja file nor one of llama.cpp's built-in templates" in line
+    assert "gemma, " in line
 
 
 def test_a_malformed_weight_repack_exits_2_naming_it() -> None:

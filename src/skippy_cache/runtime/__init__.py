@@ -5,7 +5,13 @@ from skippy_cache.runtime.engine import Engine
 from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolAudit, PoolView, available_cores
 from skippy_cache.runtime.gguf_info import GgufInfo, ModelNotFoundError, default_model_path, read_gguf_info
 from skippy_cache.runtime.logprobs import MAX_TOP_LOGPROBS, Logprob, TokenLogprobs
-from skippy_cache.runtime.native import PENALTY_LAST_N, SamplingParams, json_grammar
+from skippy_cache.runtime.native import (
+    PENALTY_LAST_N,
+    SamplingParams,
+    apply_builtin_chat_template,
+    builtin_chat_templates,
+    json_grammar,
+)
 from skippy_cache.runtime.prefixcache import Explanation
 from skippy_cache.runtime.remote import RTT_BUCKETS, RemoteConfig, RemoteStats, redact
 from skippy_cache.runtime.startup import StartupError
@@ -57,7 +63,9 @@ __all__ = [
     "TokenLogprobs",
     "WeightLayout",
     "WeightLayoutError",
+    "apply_builtin_chat_template",
     "available_cores",
+    "builtin_chat_templates",
     "default_model_path",
     "json_grammar",
     "read_gguf_info",

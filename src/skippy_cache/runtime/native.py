@@ -368,6 +368,33 @@ def json_grammar(schema: dict | None = None) -> str:
         raise ValueError(f"the JSON schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from None
 
 
+def builtin_chat_templates() -> list[str]:
+    """The names of llama.cpp's built-in chat templates (`llama_chat_builtin_templates`)."""
+    count = ll.llama_chat_builtin_templates((ctypes.c_char_p * 0)(), 0)
+    names = (ctypes.c_char_p * count)()
+    ll.llama_chat_builtin_templates(names, count)
+    return [names[i].decode() for i in range(count)]
+
+
+def apply_builtin_chat_template(name: str, messages: Sequence[tuple[str, str]]) -> str:
+    """`messages` (role, content) rendered by llama.cpp's built-in template `name`, with the
+    assistant's opening added (`llama_chat_apply_template`); ValueError for an unknown name."""
+    if name not in builtin_chat_templates():
+        # Given anything else, llama.cpp guesses a template from the text: never a silent guess.
+        raise ValueError(f"{name!r} is not one of llama.cpp's built-in chat templates")
+    keep = [(role.encode(), content.encode()) for role, content in messages]
+    chat = (ll.llama_chat_message * len(keep))(*(ll.llama_chat_message(role, content) for role, content in keep))
+    size = 2 * sum(len(r) + len(c) for r, c in keep) + 256
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = ll.llama_chat_apply_template(name.encode(), chat, len(keep), True, buf, size)
+        if n < 0:
+            raise ValueError(f"llama.cpp's built-in chat template {name!r} refused the messages")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", "replace")
+        size = n
+
+
 #: Memory layout of `llama_token_data` (id, logit, p).
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 

@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from skippy_cache.runtime import Engine
-from skippy_cache.server.chat import ChatFormatter
+from skippy_cache.server.chat import ChatFormatter, choose_chat_template
 from skippy_cache.server.dashboard import dashboard_data, page
 from skippy_cache.server.errors import APIError, install_error_handlers
 from skippy_cache.server.generation import Generation
@@ -72,8 +72,11 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     generation = Generation(
         engine=engine,
         settings=settings,
-        chat=ChatFormatter(engine.info.model.chat_template, bos_token=engine.info.bos_text,
-                           eos_token=engine.info.eos_text),
+        chat=ChatFormatter(
+            choose_chat_template(settings.chat_template, engine.info.model.chat_template,
+                                 engine.info.model.architecture),
+            bos_token=engine.info.bos_text, eos_token=engine.info.eos_text,
+        ),
         metrics=metrics,
         models=models,
         limits=limits,

@@ -5,7 +5,11 @@ rendered the way `transformers`' `apply_chat_template` does (sandboxed
 environment, trim_blocks/lstrip_blocks, `raise_exception`, `tojson`,
 `strftime_now`, the `{% generation %}` tag, `bos_token`/`eos_token`,
 `add_generation_prompt=True`), so the model sees the prompt format it was
-trained on. A model without a template gets plain ChatML.
+trained on. `--chat-template` overrides it with a Jinja file or one of llama.cpp's
+built-in templates by name; a GGUF without a template gets the built-in its
+architecture was trained on where one is known, else plain ChatML. Which one
+renders is said in the start-up block, since a wrong one degrades every answer
+without any error.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -21,6 +27,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from skippy_cache.runtime import apply_builtin_chat_template
 from skippy_cache.server.schemas import ChatMessage
 
 log = logging.getLogger("skippy_cache.server")
@@ -33,8 +40,59 @@ CHATML_TEMPLATE = (
 )
 
 
+#: llama.cpp's built-in template for a GGUF that carries none, by its `general.architecture`:
+#: only where the architecture names one prompt format (a "llama" GGUF may be Llama 2, 3 or
+#: Mistral, so it gets none and falls back to ChatML).
+BUILTIN_BY_ARCHITECTURE = {
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "gemma3n": "gemma",
+    "phi3": "phi3",
+    "qwen2": "chatml",
+    "qwen3": "chatml",
+    "command-r": "command-r",
+    "cohere2": "command-r",
+    "deepseek2": "deepseek2",
+    "chatglm": "chatglm4",
+    "exaone": "exaone3",
+    "granite": "granite",
+    "minicpm": "minicpm",
+    "orion": "orion",
+    "rwkv6": "rwkv-world",
+    "rwkv7": "rwkv-world",
+}
+
+
 class ChatTemplateError(ValueError):
     """The template refused the messages (its `raise_exception`, or a rendering error)."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """What renders chat messages: a Jinja source, or one of llama.cpp's built-in templates."""
+
+    #: Where it came from, for the start-up block ("GGUF tokenizer.chat_template", ...).
+    origin: str
+    jinja: str | None = None
+    builtin: str | None = None
+
+
+def choose_chat_template(setting: Path | str | None, gguf_template: str | None, architecture: str) -> ChatTemplate:
+    """`--chat-template` (a Jinja file or a built-in's name) over the GGUF's template, over the
+    built-in for the GGUF's architecture, over ChatML."""
+    if isinstance(setting, Path):
+        return ChatTemplate(f"file {setting} (--chat-template)", jinja=setting.read_text())
+    if setting is not None:
+        return ChatTemplate(f"llama.cpp built-in {setting!r} (--chat-template)", builtin=setting)
+    if gguf_template:
+        return ChatTemplate("GGUF tokenizer.chat_template", jinja=gguf_template)
+    if architecture in BUILTIN_BY_ARCHITECTURE:
+        name = BUILTIN_BY_ARCHITECTURE[architecture]
+        return ChatTemplate(f"none in the GGUF: llama.cpp built-in {name!r} for architecture {architecture} "
+                            "(--chat-template to choose another)", builtin=name)
+    return ChatTemplate(f"none in the GGUF and no built-in for architecture {architecture}: ChatML "
+                        "(--chat-template to choose another)", jinja=CHATML_TEMPLATE)
 
 
 def _raise_exception(message: str) -> None:
@@ -77,22 +135,37 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def compile_template(source: str) -> jinja2.Template:
+    """A Jinja chat template compiled as transformers compiles it (jinja2.TemplateError if it cannot)."""
+    return _environment().from_string(source)
+
+
 class ChatFormatter:
-    def __init__(self, template: str | None, *, bos_token: str, eos_token: str) -> None:
+    """Renders chat messages to prompt text with the template `choose_chat_template` picked."""
+
+    def __init__(self, template: ChatTemplate, *, bos_token: str, eos_token: str) -> None:
         self.bos_token = bos_token
         self.eos_token = eos_token
-        env = _environment()
-        self.source = "gguf"
-        if not template:
-            template, self.source = CHATML_TEMPLATE, "chatml-fallback"
-        try:
-            self._template = env.from_string(template)
-        except jinja2.TemplateError as exc:
-            # Completions must keep working with a broken template; say so loudly.
-            log.warning("the model's chat template does not compile (%s); chat uses ChatML instead", exc)
-            self._template, self.source = env.from_string(CHATML_TEMPLATE), "chatml-fallback"
+        self.template = template
+        self._template = None
+        if template.jinja is not None:
+            try:
+                self._template = compile_template(template.jinja)
+            except jinja2.TemplateError as exc:
+                if template.origin.startswith("file "):
+                    raise ChatTemplateError(f"--chat-template: {template.origin} does not compile: {exc}") from None
+                # Completions must keep working with a broken template; say so loudly.
+                log.warning("the model's chat template does not compile (%s); chat uses ChatML instead", exc)
+                self._template = _environment().from_string(CHATML_TEMPLATE)
+                self.template = ChatTemplate(f"{template.origin} does not compile: ChatML", jinja=CHATML_TEMPLATE)
 
     def render(self, messages: Sequence[ChatMessage]) -> str:
+        if self._template is None:
+            turns = [(m["role"], m["content"]) for m in (_message_dict(m) for m in messages)]
+            try:
+                return apply_builtin_chat_template(self.template.builtin or "", turns)
+            except ValueError as exc:
+                raise ChatTemplateError(str(exc)) from exc
         try:
             return self._template.render(
                 messages=[_message_dict(m) for m in messages],

