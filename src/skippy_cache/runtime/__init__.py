@@ -11,6 +11,7 @@ from skippy_cache.runtime.native import (
     apply_builtin_chat_template,
     builtin_chat_templates,
     json_grammar,
+    literal_json_grammar,
 )
 from skippy_cache.runtime.prefixcache import Explanation
 from skippy_cache.runtime.remote import RTT_BUCKETS, RemoteConfig, RemoteStats, redact
@@ -68,6 +69,7 @@ __all__ = [
     "builtin_chat_templates",
     "default_model_path",
     "json_grammar",
+    "literal_json_grammar",
     "read_gguf_info",
     "redact",
 ]

@@ -21,7 +21,7 @@ from pathlib import Path
 import llama_cpp as ll
 import numpy as np
 from llama_cpp._ggml import libggml
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter, json_schema_to_gbnf
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -366,6 +366,27 @@ def json_grammar(schema: dict | None = None) -> str:
         raise ValueError("the schema nests too deeply") from None
     except Exception as exc:  # noqa: BLE001 - the converter raises whatever its walk hits (KeyError, TypeError, ...)
         raise ValueError(f"the JSON schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from None
+
+
+def literal_json_grammar(alternatives: Sequence[tuple[str, dict, str]], *, repeat_with: str | None) -> str:
+    """GBNF for one of `alternatives` (text before, a JSON value following the schema, text after),
+    or, with `repeat_with`, one or more of them joined by that text: the shape of tool calls, whose
+    wrapping is fixed text and whose arguments follow each tool's schema. ValueError names the
+    alternative whose schema the converter refuses."""
+    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    choices = []
+    for i, (before, schema, after) in enumerate(alternatives):
+        try:
+            converter.visit(converter.resolve_refs(schema, f"alternative-{i}"), f"alternative-{i}-value")
+        except RecursionError:
+            raise ValueError(f"alternative {i}: the schema nests too deeply") from None
+        except Exception as exc:  # noqa: BLE001 - the converter raises whatever its walk hits
+            raise ValueError(f"alternative {i}: the JSON schema cannot be turned into a grammar: "
+                             f"{type(exc).__name__}: {exc}") from None
+        choices.append(f"{json.dumps(before)} alternative-{i}-value {json.dumps(after)}")
+    one = "one ::= " + " | ".join(f"( {c} )" for c in choices)
+    root = f"root ::= one ( {json.dumps(repeat_with)} one )*" if repeat_with is not None else "root ::= one"
+    return f"{root}\n{one}\n{converter.format_grammar()}"
 
 
 def builtin_chat_templates() -> list[str]:

@@ -42,6 +42,7 @@ from skippy_cache.server.schemas import (
     UnpinRequest,
 )
 from skippy_cache.server.settings import ServerSettings
+from skippy_cache.server.tools import call_grammar, render_messages
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -94,7 +95,9 @@ class Generation:
         self.models.check(body.model)
         self.limits.check_stop(body.stop)
         self.limits.check_messages(len(body.messages))
-        prompt = await asyncio.to_thread(self._chat_prompt, body.messages)
+        grammar = _tool_grammar(body)
+        messages = render_messages(body.messages, body.tools or [])
+        prompt = await asyncio.to_thread(self._chat_prompt, messages)
         tokens = prompt.tokens
         self.limits.check_prompt(len(tokens), param="messages")
         max_tokens = body.requested_max_tokens
@@ -102,8 +105,10 @@ class Generation:
             # Up to what the context has left, capped (settings.DEFAULT_CHAT_MAX_TOKENS says why);
             # at least 1 so a prompt that fills the context gets the engine's context error.
             max_tokens = max(min(self.settings.default_max_tokens, self.engine.info.n_ctx - len(tokens)), 1)
-        run = self._submit(body, prompt, max_tokens, prompt_param="messages")
-        fmt = ChatFormat(self.model_id, self.system_fingerprint, logprobs=bool(body.logprobs))
+        run = self._submit(body, prompt, max_tokens, prompt_param="messages", grammar=grammar)
+        names = {t.function.name for t in body.tools or ()} if body.tool_mode != "none" else None
+        fmt = ChatFormat(self.model_id, self.system_fingerprint, logprobs=bool(body.logprobs),
+                         tool_names=names or None)
         return await self._respond(request, run, body, fmt)
 
     async def explain(self, request: Request) -> Response:
@@ -130,7 +135,7 @@ class Generation:
         self.models.check(body.model)
         if body.messages is not None:
             self.limits.check_messages(len(body.messages))
-            prompt = await asyncio.to_thread(self._chat_prompt, body.messages)
+            prompt = await asyncio.to_thread(self._chat_prompt, render_messages(body.messages, body.tools or []))
         else:
             assert body.prompt is not None  # CacheQuery holds exactly one of the two
             prompt = Prompt(await self._prompt_tokens(body.prompt))
@@ -188,10 +193,13 @@ class Generation:
         return self.engine.tokenize(text, add_special=not self.chat.starts_with_bos(text))
 
     def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt: Prompt, max_tokens: int,
-                *, prompt_param: str) -> EngineRuns:
+                *, prompt_param: str, grammar: str | None = None) -> EngineRuns:
         """One engine request per choice (`n`), all with the same prompt: the first prefills it, the
-        others share its cells in flight or reuse its entry, so a choice costs about its decode."""
+        others share its cells in flight or reuse its entry, so a choice costs about its decode.
+        `grammar`: the tool calls' (the request's own, from `response_format`, otherwise)."""
         sampling = body.sampling()
+        if grammar is not None:
+            sampling = replace(sampling, grammar=grammar)
         runs: list[EngineRun] = []
         try:
             for index in range(body.choices):
@@ -237,6 +245,29 @@ class Generation:
             if done.finish_reason is FinishReason.CANCELLED:
                 raise _cancelled(client_left)
         return JSONResponse(fmt.response(choices))
+
+
+def _tool_grammar(body: ChatCompletionRequest) -> str | None:
+    """The grammar `tool_choice` asks for (required, or a named tool); None for auto and none.
+
+    Every tool's schema is converted whatever the choice, so a schema the converter refuses is a
+    400 on the request that sends it, not on a later one that asks for a call."""
+    if not body.tools:
+        return None
+    mode = body.tool_mode
+    # One call unless asked for more, as llama-server does: small models asked for "one or more"
+    # tend to repeat a call until max_tokens.
+    parallel = body.parallel_tool_calls is True
+    try:
+        grammar = call_grammar(body.tools, "required" if mode in ("none", "auto") else mode, parallel)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tools", code="invalid_value") from None
+    if mode in ("none", "auto"):
+        return None
+    if body.response_format is not None and body.response_format.grammar is not None:
+        raise APIError(400, "response_format cannot constrain a reply that tool_choice makes a tool call",
+                       param="response_format", code="invalid_value")
+    return grammar
 
 
 def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -303,10 +334,12 @@ async def _sse(runs: EngineRuns, fmt: ResponseFormat, include_usage: bool,
             if isinstance(event, TokenEvent):
                 # A token with logprobs gets its chunk even while its text is held back.
                 if event.text or event.logprobs is not None:
-                    yield _event(fmt.delta_chunk(index, event.text, event.logprobs))
+                    for chunk in fmt.delta_chunks(index, event.text, event.logprobs):
+                        yield _event(chunk)
                 continue
             if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-                yield _event(fmt.final_chunk(index, event.finish_reason))
+                for chunk in fmt.final_chunks(index, event.finish_reason):
+                    yield _event(chunk)
                 stats.append((index, event.stats))
             else:
                 # Headers are gone already; OpenAI reports mid-stream failures as an error event.

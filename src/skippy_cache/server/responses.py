@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from skippy_cache.runtime import DoneEvent, Explanation, FinishReason, Logprob, RequestStats, TokenLogprobs
+from skippy_cache.server.tools import Call, CallSplitter, Delta, split_reply
 
 
 def usage(stats: Sequence[RequestStats]) -> dict:
@@ -165,12 +166,12 @@ class CompletionFormat(_Envelope):
         return [self._chunk({"index": i, "text": self.echo, "logprobs": None, "finish_reason": None})
                 for i in range(n_choices)]
 
-    def delta_chunk(self, index: int, text: str, logprobs: TokenLogprobs | None = None) -> dict:
+    def delta_chunks(self, index: int, text: str, logprobs: TokenLogprobs | None = None) -> list[dict]:
         shaped = self._logprobs(index, [logprobs]) if logprobs is not None else None
-        return self._chunk({"index": index, "text": text, "logprobs": shaped, "finish_reason": None})
+        return [self._chunk({"index": index, "text": text, "logprobs": shaped, "finish_reason": None})]
 
-    def final_chunk(self, index: int, reason: FinishReason) -> dict:
-        return self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)})
+    def final_chunks(self, index: int, reason: FinishReason) -> list[dict]:
+        return [self._chunk({"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)})]
 
     def usage_chunk(self, stats: Sequence[RequestStats]) -> dict:
         return {**self._head("text_completion"), "choices": [], "usage": usage(stats),
@@ -186,23 +187,41 @@ class CompletionFormat(_Envelope):
         return {**self._head("text_completion"), "choices": [choice], "usage": None}
 
 
-class ChatFormat(_Envelope):
-    """`chat.completion` objects and `chat.completion.chunk` chunks (/v1/chat/completions)."""
+def _tool_call(call: Call) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
-    def __init__(self, model: str, system_fingerprint: str, *, logprobs: bool = False) -> None:
+
+class ChatFormat(_Envelope):
+    """`chat.completion` objects and `chat.completion.chunk` chunks (/v1/chat/completions).
+
+    With `tool_names`, each choice's reply is split into text and tool calls (server/tools.py);
+    a reply that called a tool and stopped ends with finish_reason `tool_calls`.
+    """
+
+    def __init__(self, model: str, system_fingerprint: str, *, logprobs: bool = False,
+                 tool_names: set[str] | None = None) -> None:
         super().__init__(model, system_fingerprint, "chatcmpl")
         self.logprobs = logprobs
+        self.tool_names = tool_names
+        self._splitters: dict[int, CallSplitter] = {}
 
     def response(self, choices: Sequence[Choice]) -> dict:
-        out = [
-            {
+        out = []
+        for c in choices:
+            message: dict = {"role": "assistant", "content": c.done.text, "refusal": None}
+            reason = finish_reason(c.done.finish_reason)
+            if self.tool_names is not None:
+                text, calls = split_reply(c.done.text, self.tool_names)
+                if calls:
+                    message = {"role": "assistant", "content": text or None, "refusal": None,
+                               "tool_calls": [_tool_call(call) for call in calls]}
+                    reason = self._calls_reason(c.done.finish_reason)
+            out.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.done.text, "refusal": None},
+                "message": message,
                 "logprobs": chat_logprobs(c.logprobs) if self.logprobs else None,
-                "finish_reason": finish_reason(c.done.finish_reason),
-            }
-            for c in choices
-        ]
+                "finish_reason": reason,
+            })
         stats = [c.done.stats for c in choices]
         return {**self._head("chat.completion"), "choices": out, "usage": usage(stats),
                 "skippy_cache": cache_answer(stats[0])}
@@ -210,16 +229,55 @@ class ChatFormat(_Envelope):
     def opening_chunks(self, n_choices: int) -> list[dict]:
         return [self._chunk(i, {"role": "assistant", "content": ""}, None) for i in range(n_choices)]
 
-    def delta_chunk(self, index: int, text: str, logprobs: TokenLogprobs | None = None) -> dict:
+    def delta_chunks(self, index: int, text: str, logprobs: TokenLogprobs | None = None) -> list[dict]:
         shaped = chat_logprobs([logprobs]) if logprobs is not None else None
-        return self._chunk(index, {"content": text}, None, shaped)
+        if self.tool_names is None:
+            return [self._chunk(index, {"content": text}, None, shaped)]
+        chunks = self._tool_chunks(index, self._splitter(index).feed(text))
+        if shaped is not None:
+            # A token's logprobs ride on its first chunk, or on an empty one while its text is held.
+            if chunks:
+                chunks[0]["choices"][0]["logprobs"] = shaped
+            else:
+                chunks = [self._chunk(index, {"content": ""}, None, shaped)]
+        return chunks
 
-    def final_chunk(self, index: int, reason: FinishReason) -> dict:
-        return self._chunk(index, {}, finish_reason(reason))
+    def final_chunks(self, index: int, reason: FinishReason) -> list[dict]:
+        if self.tool_names is None:
+            return [self._chunk(index, {}, finish_reason(reason))]
+        splitter = self._splitter(index)
+        chunks = self._tool_chunks(index, splitter.finish())
+        shown = self._calls_reason(reason) if splitter.calls else finish_reason(reason)
+        return [*chunks, self._chunk(index, {}, shown)]
 
     def usage_chunk(self, stats: Sequence[RequestStats]) -> dict:
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats),
                 "skippy_cache": cache_answer(stats[0])}
+
+    @staticmethod
+    def _calls_reason(reason: FinishReason) -> str:
+        # A reply cut at max_tokens says so, calls or not; one that ended on its own called tools.
+        return "tool_calls" if reason is FinishReason.STOP else finish_reason(reason)
+
+    def _splitter(self, index: int) -> CallSplitter:
+        assert self.tool_names is not None
+        return self._splitters.setdefault(index, CallSplitter(self.tool_names))
+
+    def _tool_chunks(self, index: int, deltas: Sequence[Delta]) -> list[dict]:
+        """Text as content deltas; a call as OpenAI streams one: id, type and name with empty
+        arguments, then the arguments (the same string the non-streamed response holds)."""
+        chunks = []
+        for delta in deltas:
+            if delta.call is None:
+                chunks.append(self._chunk(index, {"content": delta.text}, None))
+                continue
+            number = self._splitter(index).calls.index(delta.call)
+            head = {"index": number, "id": delta.call.id, "type": "function",
+                    "function": {"name": delta.call.name, "arguments": ""}}
+            chunks.append(self._chunk(index, {"tool_calls": [head]}, None))
+            chunks.append(self._chunk(index, {"tool_calls": [{"index": number, "function": {
+                "arguments": delta.call.arguments}}]}, None))
+        return chunks
 
     def _chunk(self, index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}

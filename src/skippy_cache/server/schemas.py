@@ -5,8 +5,8 @@ Strict types (a string is not a number, 1 is not `true`), so a wrong type is a
 ignored because ignoring it cannot change the output (`user`, `metadata`,
 `store`, ... each declared below and marked so), or a 400 naming it: an
 unknown field (`unknown_parameter`), and a known OpenAI field this server
-does not do (`tools`, `suffix`, ...: `unsupported_parameter`), unless it is
-sent with its do-nothing value (`"tools": []`). A client that asks for
+does not do (`functions`, `suffix`, ...: `unsupported_parameter`), unless it is
+sent with its do-nothing value (`"functions": []`). A client that asks for
 something must never get something else with a 200. Union fields are
 normalised by `before` validators, so an error names the field (`prompt`),
 not pydantic's union branch (`prompt.list[int][3]`).
@@ -54,11 +54,8 @@ UNSUPPORTED = "unsupported_parameter"
 _INERT: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "best_of": (1,),
-    "tools": ([],),
     "functions": ([],),
-    "tool_choice": ("none",),
     "function_call": ("none",),
-    "tool_calls": ([],),
     "annotations": ([],),
 }
 
@@ -130,6 +127,60 @@ class ResponseFormatSpec(_Strict):
     def grammar(self) -> str | None:
         """GBNF for the output (start rule `root`); None for text."""
         return self._grammar
+
+
+#: OpenAI's rule for a function's name.
+_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class FunctionSpec(_Strict):
+    """A function the model may call: its name, what it does, and its arguments' JSON schema."""
+
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: str | None = None
+    #: A JSON schema of an object (None: any object).
+    parameters: dict[str, Any] | None = None
+    #: Either way the arguments follow the schema when a grammar constrains the call.
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    """`tools[i]`: function tools only (OpenAI's `custom` tools have no JSON arguments to constrain)."""
+
+    type: str
+    function: FunctionSpec
+
+    @field_validator("type")
+    @classmethod
+    def _function_only(cls, value: str) -> str:
+        if value != "function":
+            raise ValueError(f"tool type {value!r} is not supported (only 'function')")
+        return value
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """`{"type": "function", "function": {"name": ...}}`: this tool, and no text."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Strict):
+    name: str
+    #: The arguments as the JSON text the server returned: re-rendered as they were generated.
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """An assistant message's `tool_calls[i]`, as a response gave it."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
 
 
 class _GenerationFields(_Strict):
@@ -266,16 +317,17 @@ class ChatMessage(_Strict):
     #: A string, or a list of `{"type": "text", "text": ...}` parts (joined with newlines).
     content: str | None = None
     name: str | None = None
-    #: Ignored: links a tool message to its call; the text is in `content`.
+    #: A tool message's call: it must answer a call an earlier assistant message made.
     tool_call_id: str | None = None
-    #: Accepted only empty (null, []): a history of tool calls, refusals or audio cannot be replayed here.
-    tool_calls: Any = None
+    #: An assistant message's calls, as a response returned them.
+    tool_calls: list[ToolCall] | None = None
+    #: Accepted only empty (null): a legacy function call, a refusal or audio cannot be replayed here.
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
     annotations: Any = None
 
-    @field_validator("tool_calls", "function_call", "refusal", "audio", "annotations", mode="before")
+    @field_validator("function_call", "refusal", "audio", "annotations", mode="before")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
         _refuse_unless_inert(value, info)
@@ -302,6 +354,49 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    #: Functions the model may call (server/tools.py renders them and parses the calls).
+    tools: list[ToolSpec] | None = None
+    #: none, auto (the default with tools), required (at least one call), or one named tool.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    #: With `required` or a named tool: one call or several (default one, as llama-server's).
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _results_answer_calls(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        called: set[str] = set()
+        for k, message in enumerate(messages):
+            called.update(call.id for call in message.tool_calls or ())
+            if message.role == "tool" and message.tool_call_id not in called:
+                raise ValueError(f"messages[{k}] is a tool result for {message.tool_call_id!r}, "
+                                 "which no earlier assistant message called")
+        return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[ToolSpec] | None) -> list[ToolSpec] | None:
+        names = [tool.function.name for tool in tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have the same name")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools") or []
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not tools:
+                raise ValueError("a tool choice other than 'none' or 'auto' needs 'tools'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"the tool {choice.function.name!r} is not among 'tools'")
+        return choice
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or the named tool's name."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or ("auto" if self.tools else "none")
     #: Each output token's logprob (`choices[].logprobs.content`), with `top_logprobs` alternatives.
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -331,14 +426,10 @@ class ChatCompletionRequest(_GenerationFields):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    #: Only means something with `tools`, which are refused.
-    parallel_tool_calls: bool | None = None
     #: Text is what this server produces; any other modality is refused.
     modalities: list[Literal["text"]] | None = None
 
     # Not supported; accepted only with a value that asks for nothing.
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -348,7 +439,7 @@ class ChatCompletionRequest(_GenerationFields):
     verbosity: Any = None
     moderation: Any = None
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
+    @field_validator("functions", "function_call", "audio", "prediction",
                      "web_search_options", "reasoning_effort", "verbosity", "moderation", mode="before")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
@@ -362,6 +453,8 @@ class CacheQuery(_Strict):
     model: str | None = None
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    #: The tools a chat request would send: they are rendered into its prompt.
+    tools: list[ToolSpec] | None = None
     cache_salt: str | None = Field(default=None, min_length=1)
     cache: CacheControl = Field(default_factory=CacheControl)
 
