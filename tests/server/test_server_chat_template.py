@@ -4,6 +4,7 @@ which one is chosen (no model needed)."""
 from __future__ import annotations
 
 import pytest
+from chat_templates import SMOLLM2
 
 from skippy_cache.runtime import builtin_chat_templates
 from skippy_cache.server.chat import (
@@ -15,14 +16,6 @@ from skippy_cache.server.chat import (
 )
 from skippy_cache.server.schemas import ChatCompletionRequest, ChatMessage
 from skippy_cache.server.settings import SettingsError, load_settings
-
-SMOLLM2 = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
-    "trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 
 def messages(*pairs: tuple[str, object]) -> list[ChatMessage]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from chat_templates import SMOLLM2
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -13,13 +14,6 @@ from skippy_cache.server.chat import ChatFormatter, choose_chat_template
 from skippy_cache.server.schemas import ChatCompletionRequest
 from skippy_cache.server.tools import CallSplitter, call_text, render_messages, split_reply
 
-SMOLLM2 = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, "
-    "trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
