@@ -15,6 +15,7 @@ markers stays as it is. The test suite runs `--check`, so a setting added in cod
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from collections.abc import Callable
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / results.DEFAULT_RESULTS_DIR
 
 
+@functools.cache
 def _latest_peer_run() -> tuple[Path, dict, list[Path]]:
     summaries = results.load_summaries(RESULTS)
     found = results.latest_against_peers(summaries)

@@ -184,28 +184,30 @@ def _wait_for_ping(server: RedisServer) -> None:
 
 
 def replica_command(
-    configuration: Configuration, port: int, model: Path, ctx_size: int, remote_url: str, *, fast: bool = False
+    configuration: Configuration, port: int, model: Path, ctx_size: int, remote_url: str, *, fast: bool,
+    repack: bool,
 ) -> list[str]:
     """The bench's own skippy-cache command (no disk tier), with the configuration's threads and tier.
 
-    The same mode in every configuration (`fast`: fast mode, else the default, exact), so the
-    configurations differ in their tiers alone.
+    The same mode in every configuration (`fast`: fast mode, else the default, exact) and the same
+    weight layout (`repack`, targets.weight_layout), so the configurations differ in their tiers alone.
     """
-    command = server_command(_KIND, port, model, ctx_size, repack=weight_layout(model).use_extra_bufts)
+    command = server_command(_KIND, port, model, ctx_size, repack=repack)
     command += (["--fast"] if fast else []) + ["--threads", str(configuration.threads)]
     return command + (["--remote-cache", remote_url] if configuration.shared else [])
 
 
 @contextmanager
 def running_configuration(
-    configuration: Configuration, *, model: Path, ctx_size: int, log_dir: Path, remote_url: str, fast: bool = False
+    configuration: Configuration, *, model: Path, ctx_size: int, log_dir: Path, remote_url: str, fast: bool,
+    repack: bool,
 ) -> Iterator[Replicas]:
     """Start the configuration's servers together, wait for each, stop them all on exit."""
     servers: list[Target] = []
     try:
         for i in range(configuration.servers):
             port = free_port()
-            command = replica_command(configuration, port, model, ctx_size, remote_url, fast=fast)
+            command = replica_command(configuration, port, model, ctx_size, remote_url, fast=fast, repack=repack)
             log_path = log_dir / f"replicas-{configuration.name}-{i + 1}.log"
             servers.append(launch(f"{configuration.name} #{i + 1}", _KIND, command, log_path, port))
         wait_ready(servers)
@@ -248,6 +250,7 @@ async def replicas(run: Run, setup: ReplicaSetup, say: Callable[[str], None]) ->
     """
     described: list[dict[str, object]] = []
     shared_usage: dict[str, int] | None = None
+    repack = weight_layout(setup.model).use_extra_bufts
     with running_redis(setup.redis_server, setup.log_dir) as redis_server:
         for configuration in configurations(setup.replicas, available_cores()):
             if configuration.shared:
@@ -259,6 +262,7 @@ async def replicas(run: Run, setup: ReplicaSetup, say: Callable[[str], None]) ->
                 log_dir=setup.log_dir,
                 remote_url=redis_server.url,
                 fast=setup.fast,
+                repack=repack,
             ) as group:
                 states = ", ".join(f"NOT READY: {s.error}" if s.error else "ready" for s in group.members)
                 say(f"replicas: {configuration.name} ({configuration.describe()}): {states}")

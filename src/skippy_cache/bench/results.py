@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from skippy_cache.bench.targets import PEER_KINDS
+from skippy_cache.runtime.weightprobe import cpu_fields, cpu_flags
 
 #: Where `skippy-cache bench` writes summaries unless told otherwise (a repository checkout's).
 DEFAULT_RESULTS_DIR = Path("benchmarks/results")
@@ -32,10 +33,9 @@ _REFERENCE_LABEL = "skippy-cache"
 
 def machine(load_before: Iterable[float], load_after: Iterable[float], cores: int) -> dict[str, Any]:
     """The machine a run measured: CPU model and features, cores used, and the load around it."""
-    info = _cpuinfo()
-    flags = set(info.get("flags", info.get("Features", "")).split())
+    flags = set(cpu_flags())
     return {
-        "cpu": info.get("model name") or platform.processor() or platform.machine(),
+        "cpu": cpu_fields().get("model name") or platform.processor() or platform.machine(),
         "arch": platform.machine(),
         "features": [f for f in _FEATURES if f in flags],
         "logical_cpus": os.cpu_count(),
@@ -43,21 +43,6 @@ def machine(load_before: Iterable[float], load_after: Iterable[float], cores: in
         "os": platform.platform(),
         "load": {"before": list(load_before), "after": list(load_after)},
     }
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return {}
-    fields: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            break
-        name, _, value = line.partition(":")
-        fields[name.strip()] = value.strip()
-    return fields
 
 
 def versions() -> dict[str, Any]:

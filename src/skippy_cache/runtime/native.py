@@ -10,6 +10,7 @@ vocabulary only and is safe from other threads.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import re
@@ -21,7 +22,7 @@ from pathlib import Path
 import llama_cpp as ll
 import numpy as np
 from llama_cpp._ggml import libggml
-from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -360,41 +361,54 @@ def json_grammar(schema: dict | None = None) -> str:
     """
     if schema is None:
         return JSON_GBNF
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except RecursionError:
-        raise ValueError("the schema nests too deeply") from None
-    except Exception as exc:  # noqa: BLE001 - the converter raises whatever its walk hits (KeyError, TypeError, ...)
-        raise ValueError(f"the JSON schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from None
+    converter = _converter()
+    _visit(converter, schema, "stdin", "")
+    return converter.format_grammar()
 
 
-def literal_json_grammar(alternatives: Sequence[tuple[str, dict, str]], *, repeat_with: str | None) -> str:
-    """GBNF for one of `alternatives` (text before, a JSON value following the schema, text after),
-    or, with `repeat_with`, one or more of them joined by that text: the shape of tool calls, whose
-    wrapping is fixed text and whose arguments follow each tool's schema. ValueError names the
-    alternative whose schema the converter refuses."""
-    converter = SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+def literal_json_grammar(alternatives: Sequence[tuple[str, str, dict, str]], *, repeat_with: str | None) -> str:
+    """GBNF for one of `alternatives` (a label for errors, text before, a JSON value following the
+    schema, text after), or, with `repeat_with`, one or more of them joined by that text: the shape
+    of tool calls, whose wrapping is fixed text and whose arguments follow each tool's schema.
+    ValueError, led by its label, for a schema the converter refuses."""
+    converter = _converter()
     choices = []
-    for i, (before, schema, after) in enumerate(alternatives):
+    for i, (label, before, schema, after) in enumerate(alternatives):
         try:
-            converter.visit(converter.resolve_refs(schema, f"alternative-{i}"), f"alternative-{i}-value")
-        except RecursionError:
-            raise ValueError(f"alternative {i}: the schema nests too deeply") from None
-        except Exception as exc:  # noqa: BLE001 - the converter raises whatever its walk hits
-            raise ValueError(f"alternative {i}: the JSON schema cannot be turned into a grammar: "
-                             f"{type(exc).__name__}: {exc}") from None
+            _visit(converter, schema, f"alternative-{i}", f"alternative-{i}-value")
+        except ValueError as exc:
+            raise ValueError(f"{label}: {exc}") from None
         choices.append(f"{json.dumps(before)} alternative-{i}-value {json.dumps(after)}")
     one = "one ::= " + " | ".join(f"( {c} )" for c in choices)
     root = f"root ::= one ( {json.dumps(repeat_with)} one )*" if repeat_with is not None else "root ::= one"
     return f"{root}\n{one}\n{converter.format_grammar()}"
 
 
-def builtin_chat_templates() -> list[str]:
-    """The names of llama.cpp's built-in chat templates (`llama_chat_builtin_templates`)."""
+def _converter() -> SchemaConverter:
+    # As `json_schema_to_gbnf` makes it: no property order, no fetched $refs, no dotall patterns.
+    return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+
+
+def _visit(converter: SchemaConverter, schema: dict, url: str, name: str) -> None:
+    """Add `schema`'s rules under `name`; whatever the converter's walk raises becomes one ValueError.
+
+    The converter rewrites `$ref`s in place: it gets a copy, never the request's own schema."""
+    try:
+        converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), url), name)
+    except RecursionError:
+        raise ValueError("the schema nests too deeply") from None
+    except Exception as exc:  # noqa: BLE001 - the converter raises whatever its walk hits (KeyError, TypeError, ...)
+        raise ValueError(f"the JSON schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from None
+
+
+@functools.cache
+def builtin_chat_templates() -> tuple[str, ...]:
+    """The names of llama.cpp's built-in chat templates (`llama_chat_builtin_templates`); fixed
+    by the build, so asked once: every chat request rendered with one checks its name here."""
     count = ll.llama_chat_builtin_templates((ctypes.c_char_p * 0)(), 0)
     names = (ctypes.c_char_p * count)()
     ll.llama_chat_builtin_templates(names, count)
-    return [names[i].decode() for i in range(count)]
+    return tuple(names[i].decode() for i in range(count))
 
 
 def apply_builtin_chat_template(name: str, messages: Sequence[tuple[str, str]]) -> str:

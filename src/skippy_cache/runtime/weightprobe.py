@@ -79,17 +79,24 @@ class WeightLayout:
     check: str
 
 
-def cpu_flags() -> list[str]:
-    """The CPU's feature flags (`/proc/cpuinfo`: x86 `flags`, ARM `Features`); empty where unreadable."""
+def cpu_fields() -> dict[str, str]:
+    """`/proc/cpuinfo`'s fields, each as it first appears (the first processor's); empty where unreadable."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        return []
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() in ("flags", "Features"):
-            return value.split()
-    return []
+        name, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(name.strip(), value.strip())
+    return fields
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags (`/proc/cpuinfo`: x86 `flags`, ARM `Features`); empty where unreadable."""
+    fields = cpu_fields()
+    return fields.get("flags", fields.get("Features", "")).split()
 
 
 def probe_command(model_path: Path, use_extra_bufts: bool) -> list[str]:

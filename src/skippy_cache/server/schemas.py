@@ -384,7 +384,7 @@ class ChatCompletionRequest(_GenerationFields):
     @classmethod
     def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
         tools = info.data.get("tools") or []
-        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+        if choice == "required" or isinstance(choice, NamedToolChoice):
             if not tools:
                 raise ValueError("a tool choice other than 'none' or 'auto' needs 'tools'")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:

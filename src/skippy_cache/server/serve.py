@@ -18,7 +18,7 @@ import uvicorn
 from skippy_cache.config import MIN_CTX_FOR_CELL_CAP
 from skippy_cache.runtime import Engine, EngineInfo, StartupError
 from skippy_cache.server.app import create_app
-from skippy_cache.server.chat import choose_chat_template
+from skippy_cache.server.chat import ChatTemplate
 from skippy_cache.server.settings import ServerSettings
 
 log = logging.getLogger("skippy_cache.server")
@@ -60,8 +60,9 @@ def weights_line(info: EngineInfo) -> str:
     return f"{buffers} ({reason}; {weights.check})"
 
 
-def startup_report(engine: Engine, settings: ServerSettings) -> str:
-    """The one block logged at start: model, pool, derived cache budgets."""
+def startup_report(engine: Engine, settings: ServerSettings, chat_template: ChatTemplate) -> str:
+    """The one block logged at start: model, the chat template the app renders with, pool, derived
+    cache budgets."""
     info = engine.info
     model, budgets, policy = info.model, info.budgets, info.policy
     token_cap = f"{budgets.max_resident_tokens} tokens" if budgets.max_resident_tokens else "none"
@@ -70,7 +71,6 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
     mode = info.mode.value
     if info.configured_mode is not info.mode:
         mode += f" (configured {info.configured_mode.value})"
-    template = choose_chat_template(settings.chat_template, model.chat_template, model.architecture).origin
     auth = "bearer key required on /v1/*" if settings.api_key else "open (no --api-key)"
     names = f"{model.model_id!r} or {settings.model_alias!r}"
     names += " only (--strict-model-names)" if settings.strict_model_names else " (any other name served too)"
@@ -78,7 +78,7 @@ def startup_report(engine: Engine, settings: ServerSettings) -> str:
         "skippy-cache server",
         f"  model     {model.path}",
         f"            {info.description}, architecture {model.architecture}, id {model.model_id}",
-        f"            digest {model.digest}, chat template: {template}",
+        f"            digest {model.digest}, chat template: {chat_template.origin}",
         f"  weights   {weights_line(info)}",
         f"  pool      n_ctx {info.n_ctx} cells, {info.lanes} lanes, {info.threads} threads, "
         f"n_seq_max {budgets.n_seq_max}, n_batch {info.n_batch}, "
@@ -107,10 +107,10 @@ def serve(settings: ServerSettings) -> int:
     log.info("loading model %s", settings.model or "(default: SmolLM2-135M-Instruct Q4_1)")
     engine = Engine(settings.engine_config())
     try:
-        log.info("%s", startup_report(engine, settings))
+        app = create_app(engine, settings, owns_engine=True)
+        log.info("%s", startup_report(engine, settings, app.state.generation.chat.template))
         if not _is_loopback(settings.host) and not settings.api_key:
             log.warning("listening on %s without --api-key: anyone who can reach it may use it", settings.host)
-        app = create_app(engine, settings, owns_engine=True)
         config = uvicorn.Config(
             app,
             host=settings.host,

@@ -87,15 +87,9 @@ def call_grammar(tools: Sequence[ToolSpec], mode: str, parallel: bool) -> str | 
     if mode in ("none", "auto"):
         return None
     chosen = [t for t in tools if mode == "required" or t.function.name == mode]
-    alternatives = [(_call_head(t.function.name), t.function.parameters or {"type": "object"}, "}" + CLOSE)
-                    for t in chosen]
-    try:
-        return literal_json_grammar(alternatives, repeat_with=BETWEEN if parallel else None)
-    except ValueError as exc:
-        index = int(re.search(r"alternative (\d+)", str(exc)).group(1))  # type: ignore[union-attr]
-        name = chosen[index].function.name
-        raise ValueError(f"the parameters of tool {name!r} cannot be turned into a grammar: "
-                         f"{str(exc).split(': ', 1)[1]}") from None
+    alternatives = [(f"the parameters of tool {t.function.name!r}", _call_head(t.function.name),
+                     t.function.parameters or {"type": "object"}, "}" + CLOSE) for t in chosen]
+    return literal_json_grammar(alternatives, repeat_with=BETWEEN if parallel else None)
 
 
 @dataclass(frozen=True)
