@@ -7,6 +7,7 @@ one server. No timing is asserted: the machine is shared.
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import subprocess
@@ -46,6 +47,11 @@ TINY = Sizes(
     zero_blocks=2,
     zero_prompt_tokens=64,
     zero_max_tokens=2,
+    agents=2,
+    agent_steps=2,
+    agent_system_tokens=200,
+    agent_result_tokens=(20, 40),
+    agent_max_tokens=40,
 )
 
 
@@ -111,6 +117,33 @@ def test_every_workload_runs_counts_failures_and_writes_outputs(tmp_path: Path) 
     table = headline_table(summary)
     assert table.splitlines()[0] == "| workload | figure | skippy-cache | dead |"
     assert table.splitlines()[-1] == f"| all | failed requests | 0 | {len(dead)} |"
+
+
+@pytest.mark.model
+def test_the_agent_workload_steps_through_both_apis_and_reuses_each_step(tmp_path: Path) -> None:
+    config = BenchConfig(specs=[TargetSpec("skippy-cache", "skippy-cache")], workloads=["agent"], sizes=TINY,
+                         ctx_size=2048, out_dir=tmp_path, results_dir=tmp_path / "results", timeout_s=60)
+    outcome = bench(config, Console(quiet=True, width=150))
+    doc = json.loads(outcome.json_path.read_text())
+    measured = [m for m in doc["measurements"] if m["workload"] == "agent"]
+    assert all(m["ok"] for m in measured), [m["error"] for m in measured if not m["ok"]]
+    groups = {m["group"] for m in measured}
+    for api in ("chat", "messages"):
+        assert {f"{api} step 1, agent 1", f"{api} step 1, agents 2+", f"{api} step 2"} <= groups, groups
+        # Agents 2+ find the shared system prompt and tools computed; later steps, their history.
+        later = [m for m in measured if m["group"] in (f"{api} step 1, agents 2+", f"{api} step 2")]
+        assert all(m["cached_tokens"] > 0 for m in later), later
+    names = {f["name"] for f in doc["figures"] if f["workload"] == "agent"}
+    assert {"chat: steps 2+: TTFT p50", "messages: all steps: cached share", "messages: step 2: TTFT p90"} <= names
+
+
+def test_the_agent_workload_asks_for_a_context_that_holds_it() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError, match="--ctx-size"):
+        config_from_args(parser.parse_args(["--workloads", "agent"]))
+    config = config_from_args(parser.parse_args(["--workloads", "agent", "--ctx-size", "32768"]))
+    assert config.workloads == ["agent"]
 
 
 def test_cli_options_map_to_config() -> None:

@@ -49,8 +49,11 @@ CASES = [
      "tools[0].type", None),
     ("tool_choice required without tools", CHAT, {"messages": USER, "tool_choice": "required"}, 400,
      "tool_choice", None),
-    ("functions", CHAT, {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions",
-     "unsupported_parameter"),
+    ("a legacy function_call naming no function", CHAT,
+     {"messages": USER, "functions": [{"name": "f"}], "function_call": {"name": "g"}}, 400, "function_call", None),
+    ("tools and the legacy functions together", CHAT,
+     {"messages": USER, "functions": [{"name": "f"}], "tools": [{"type": "function", "function": {"name": "g"}}]},
+     400, None, None),
     ("reasoning_effort", CHAT, {"messages": USER, "reasoning_effort": "low"}, 400, "reasoning_effort",
      "unsupported_parameter"),
     ("audio modality", CHAT, {"messages": USER, "modalities": ["text", "audio"]}, 400, "modalities[1]", None),
@@ -118,7 +121,7 @@ def test_an_unknown_field_is_named_in_the_message(server: LiveServer) -> None:
 
 def test_unsupported_fields_with_a_value_that_asks_for_nothing_are_accepted(server: LiveServer) -> None:
     chat = {"messages": [*USER, {"role": "assistant", "content": "hello", "tool_calls": [], "refusal": None}],
-            "max_tokens": 1, "tools": [], "tool_choice": "none", "functions": None}
+            "max_tokens": 1, "tools": [], "tool_choice": "none", "audio": None}
     completion = {"prompt": "Hi", "max_tokens": 1, "suffix": "", "best_of": 1}
     with server.http(timeout=60) as http:
         assert http.post(CHAT, json=chat).status_code == 200

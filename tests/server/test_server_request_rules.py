@@ -66,11 +66,11 @@ def test_fields_the_official_client_sends_are_accepted(server: LiveServer) -> No
 
 
 def test_an_unsupported_field_from_the_client_is_a_400_naming_it(server: LiveServer) -> None:
-    functions = [{"name": "get_time", "parameters": {"type": "object"}}]  # the legacy form of tools
+    prediction = {"type": "content", "content": "Hello"}  # predicted output: not done here
     with pytest.raises(openai.BadRequestError) as err:
-        server.openai().chat.completions.create(model=server.model_id, messages=USER, functions=functions)
-    assert err.value.body["param"] == "functions" and err.value.body["code"] == "unsupported_parameter"
-    assert "'functions'" in err.value.body["message"]
+        server.openai().chat.completions.create(model=server.model_id, messages=USER, prediction=prediction)
+    assert err.value.body["param"] == "prediction" and err.value.body["code"] == "unsupported_parameter"
+    assert "'prediction'" in err.value.body["message"]
 
 
 # -- model names ---------------------------------------------------------------

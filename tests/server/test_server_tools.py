@@ -101,15 +101,15 @@ def test_a_call_cut_short_by_max_tokens_ends_cleanly(exact_server: LiveServer) -
     assert out.message.tool_calls is None and out.message.content.startswith("<tool_call>")
 
 
-def test_an_agents_next_step_reuses_its_prompt(exact_server: LiveServer) -> None:
+def test_an_agents_next_step_reuses_its_whole_previous_step(exact_server: LiveServer) -> None:
     first = ask(exact_server, tool_choice="required")
     call = first.choices[0].message.tool_calls[0]
     step = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
             {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": 18})}]
     second = ask(exact_server, messages=step, tool_choice="none", max_tokens=8)
-    # The system prompt with its tools and the user turn come from the cache (the call's own
-    # tokens as generated may tokenize otherwise when re-rendered: see docs/serving/tools.md).
-    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    # The whole first step comes from the cache, its call as the tokens the model sampled
+    # (which the call's text, tokenized again, need not be: server/replies.py).
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens
     assert second.model_extra["skippy_cache"]["source"] == "resident"
 
 
@@ -128,3 +128,32 @@ def test_bad_tools_are_400s_naming_the_field(server: LiveServer, change: dict, p
     assert error["param"] == param and error["type"] == "invalid_request_error", error
     with pytest.raises(openai.BadRequestError):
         server.openai().chat.completions.create(**body)
+
+
+def test_the_legacy_functions_are_answered_in_kind(exact_server: LiveServer) -> None:
+    functions = [tool["function"] for tool in TOOLS]
+    client = exact_server.openai()
+    whole = client.chat.completions.create(model="m", messages=MESSAGES, functions=functions,
+                                           function_call={"name": "get_weather"}, temperature=0, max_tokens=64)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    call = choice.message.function_call
+    assert call.name == "get_weather"
+    check_arguments(call.name, call.arguments)
+    streamed = {"name": "", "arguments": ""}
+    for chunk in client.chat.completions.create(model="m", messages=MESSAGES, functions=functions,
+                                                function_call={"name": "get_weather"}, temperature=0, max_tokens=64,
+                                                stream=True):
+        part = chunk.choices[0].delta.function_call if chunk.choices else None
+        if part is not None:
+            streamed["name"] += part.name or ""
+            streamed["arguments"] += part.arguments or ""
+        finish = chunk.choices[0].finish_reason if chunk.choices else None
+    assert streamed == {"name": call.name, "arguments": call.arguments} and finish == "function_call"
+    # The result goes back as a `function` message; the next step reuses the whole first one.
+    step = [*MESSAGES, {"role": "assistant", "content": None, "function_call": call.model_dump()},
+            {"role": "function", "name": call.name, "content": "18 C"}]
+    second = client.chat.completions.create(model="m", messages=step, functions=functions, function_call="none",
+                                            temperature=0, max_tokens=8)
+    assert second.choices[0].message.function_call is None
+    assert second.usage.prompt_tokens_details.cached_tokens >= whole.usage.prompt_tokens + whole.usage.completion_tokens

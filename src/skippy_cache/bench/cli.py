@@ -33,7 +33,9 @@ from skippy_cache.bench.replicas import (
 )
 from skippy_cache.bench.report import render_replicas_table, render_table, write_chart, write_json
 from skippy_cache.bench.results import DEFAULT_RESULTS_DIR, machine, summarize, versions, write_summary
+from skippy_cache.bench.agent import planned_pairs
 from skippy_cache.bench.run import (
+    AGENT,
     ALL_WORKLOADS,
     FULL,
     QUICK,
@@ -128,6 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workloads",
         default=",".join(WORKLOADS),
         help=f"comma-separated subset of {','.join(ALL_WORKLOADS)} (default: {','.join(WORKLOADS)}; "
+        f"{AGENT} needs --ctx-size {FULL.agent_context} or more ({QUICK.agent_context} with --quick); "
         f"{REPLICAS} starts its own servers and a redis-server, whatever the targets are)",
     )
     parser.add_argument(
@@ -227,6 +230,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if args.runs < 1:
             raise ValueError("--runs must be at least 1")
         sizes = replace(sizes, warm_repeats=args.runs)
+    if AGENT in workloads and args.ctx_size < sizes.agent_context:
+        raise ValueError(f"--workloads agent: {sizes.agents} agents' histories need --ctx-size "
+                         f"{sizes.agent_context} or more on a server whose slots share no cells "
+                         f"(given {args.ctx_size})")
     return BenchConfig(
         specs=specs,
         workloads=[w for w in ALL_WORKLOADS if w in workloads],
@@ -415,7 +422,8 @@ async def _drive(config: BenchConfig, targets: list[Target], workloads: list[str
             f"on {calibration['target']} -> {run.tokens_per_word:.3f} tokens/word",
             highlight=False,
         )
-        total = sum(planned_requests(w, config.sizes, len(run.targets_for(w))) for w in workloads)
+        total = sum(planned_requests(w, config.sizes, planned_pairs(run.targets_for(w)) if w == AGENT
+                                     else len(run.targets_for(w))) for w in workloads)
         with _progress(console, total) as on_request:
             run.on_request = on_request
             for workload in workloads:

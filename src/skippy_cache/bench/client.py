@@ -1,8 +1,9 @@
 """A streaming OpenAI-compatible client that times each request and never drops a failure.
 
-Time to first token is taken at the first streamed chunk that carries generated text
-(`choices[].text` or `choices[].delta.content`); a chunk with only a role, an empty string or a
-keep-alive does not count. A request that ends without any text but with a finish reason (the
+Time to first token is taken at the first streamed chunk that carries generated output
+(`choices[].text`, `choices[].delta.content`, or a piece of a tool call); a chunk with only a
+role, an empty string or a keep-alive does not count. Anthropic's Messages stream (`/v1/messages`)
+is read by its events: text and tool_use blocks are output, usage comes with `message_delta`. A request that ends without any text but with a finish reason (the
 model's first token was end-of-text) takes its TTFT from that chunk instead, since that chunk is
 the first token's result. Usage comes from the final chunk (`stream_options.include_usage`);
 servers that do not stream usage (llama-cpp-python's) leave the token counts `None`. llama.cpp's
@@ -20,6 +21,15 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import httpx
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call a streamed reply made, as its chunks or events spelt it."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +52,12 @@ class Reply:
     #: the time from admission to the first token, as the engine measured them (None: not said).
     queue_ms: float | None = None
     prefill_ms: float | None = None
+    #: The tool calls the reply made (chat `delta.tool_calls`, Messages `tool_use` blocks).
+    calls: tuple[ToolCall, ...] = ()
+
+
+#: Anthropic's Messages API: its stream is events, not chunks, and it takes no `stream_options`.
+MESSAGES = "/v1/messages"
 
 
 class BenchClient:
@@ -71,8 +87,10 @@ class BenchClient:
 
     async def stream(self, base_url: str, path: str, body: dict[str, Any]) -> Reply:
         """POST `body` with stream=true to `base_url + path`; every exception becomes a failed Reply."""
-        payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        state = _StreamState()
+        messages = path == MESSAGES
+        payload = {**body, "stream": True} if messages else {**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}}
+        state = _MessagesState() if messages else _StreamState()
         start = time.perf_counter()
         try:
             # httpx's timeout is per read; this bounds the whole request (a server that trickles
@@ -90,6 +108,8 @@ class BenchClient:
                             state.done = True
                             break
                         state.feed(json.loads(data), start)
+                        if state.done:
+                            break
         except TimeoutError:
             return state.failed(start, f"timeout after {self.timeout:g} s")
         except (httpx.HTTPError, OSError, ValueError) as exc:
@@ -114,6 +134,13 @@ class _StreamState:
         self.engine_ms: dict[str, float] = {}
         self.error: str | None = None
         self.done = False
+        #: Tool calls by their index in the reply: id, name and the arguments so far.
+        self.calls: dict[int, dict[str, str]] = {}
+
+    def output(self, now_ms: float) -> None:
+        """Generated output arrived (text, or a piece of a call): the first one is the TTFT."""
+        if self.ttft_ms is None:
+            self.ttft_ms = now_ms
 
     def feed(self, chunk: dict[str, Any], start: float) -> None:
         now_ms = (time.perf_counter() - start) * 1000
@@ -125,12 +152,22 @@ class _StreamState:
             piece = choice.get("text") or delta.get("content") or delta.get("reasoning_content") or ""
             if piece:
                 self.text.append(piece)
-                if self.ttft_ms is None:
-                    self.ttft_ms = now_ms
+                self.output(now_ms)
+            for part in delta.get("tool_calls") or []:
+                call = self.calls.setdefault(part.get("index", 0), {"id": "", "name": "", "arguments": ""})
+                function = part.get("function") or {}
+                call["id"] = part.get("id") or call["id"]
+                call["name"] += function.get("name") or ""
+                call["arguments"] += function.get("arguments") or ""
+                self.output(now_ms)
             if choice.get("finish_reason") and self.finish_ms is None:
                 self.finish_ms = now_ms
         if chunk.get("usage"):
             self.usage = chunk["usage"]
+        self.read_answer(chunk)
+
+    def read_answer(self, chunk: dict[str, Any]) -> None:
+        """skippy-cache's `skippy_cache` object and llama-server's `timings`, wherever they ride."""
         answer = chunk.get("skippy_cache")
         if isinstance(answer, dict) and isinstance(answer.get("source"), str):
             self.cache_source = answer["source"]
@@ -178,4 +215,42 @@ class _StreamState:
             usage.get("completion_tokens"),
             cache_source=self.cache_source,
             **self.engine_ms,
+            calls=tuple(ToolCall(c["id"], c["name"], c["arguments"]) for _, c in sorted(self.calls.items())),
         )
+
+
+class _MessagesState(_StreamState):
+    """What the events of one Messages stream said so far: text and tool_use blocks as output,
+    usage from `message_delta` (cached: `cache_read_input_tokens`), the end at `message_stop`."""
+
+    def feed(self, event: dict[str, Any], start: float) -> None:
+        now_ms = (time.perf_counter() - start) * 1000
+        kind = event.get("type")
+        if kind == "error":
+            self.error = str(event.get("error"))[:300]
+        elif kind == "content_block_start":
+            block = event.get("content_block") or {}
+            if block.get("type") == "tool_use":
+                self.calls[event.get("index", 0)] = {"id": block.get("id", ""), "name": block.get("name", ""),
+                                                     "arguments": ""}
+                self.output(now_ms)
+        elif kind == "content_block_delta":
+            delta = event.get("delta") or {}
+            if delta.get("type") == "text_delta" and delta.get("text"):
+                self.text.append(delta["text"])
+                self.output(now_ms)
+            elif delta.get("type") == "input_json_delta":
+                call = self.calls.get(event.get("index", 0))
+                if call is not None:
+                    call["arguments"] += delta.get("partial_json") or ""
+                self.output(now_ms)
+        elif kind == "message_delta":
+            self.finish_ms = self.finish_ms or now_ms
+            usage = event.get("usage") or {}
+            read = usage.get("cache_read_input_tokens") or 0
+            prompt = (usage.get("input_tokens") or 0) + read + (usage.get("cache_creation_input_tokens") or 0)
+            self.usage = {"prompt_tokens": prompt or None, "completion_tokens": usage.get("output_tokens"),
+                          "prompt_tokens_details": {"cached_tokens": read}}
+        elif kind == "message_stop":
+            self.done = True
+        self.read_answer(event)

@@ -17,10 +17,13 @@ from skippy_cache.bench.targets import Target
 
 #: The default workloads, run on the targets, in this order.
 WORKLOADS = ("warm", "tenants", "chat", "zero")
+#: Run only when asked for: four agents' histories need a larger n_ctx than the others
+#: (`agent_context`), on every server.
+AGENT = "agent"
 #: Starts its own servers (replicas.py) and is run only when asked for: it needs redis-server
 #: and restarts servers for each of its configurations.
 REPLICAS = "replicas"
-ALL_WORKLOADS = (*WORKLOADS, REPLICAS)
+ALL_WORKLOADS = (*WORKLOADS, AGENT, REPLICAS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,21 @@ class Sizes:
     zero_blocks: int = 2  # blocks alternate target order (ABBA) so drift hits each target alike
     zero_prompt_tokens: int = 512
     zero_max_tokens: int = 16
+    agents: int = 4
+    agent_steps: int = 8
+    #: The shared system prompt and tool list, in tokens.
+    agent_system_tokens: int = 4000
+    #: A tool result's size, drawn per step in this range.
+    agent_result_tokens: tuple[int, int] = (100, 400)
+    #: Room for one call and its arguments.
+    agent_max_tokens: int = 64
+
+    @property
+    def agent_context(self) -> int:
+        """n_ctx the agent workload needs: every agent's whole history at once, as a server whose
+        slots share no cells holds them."""
+        per_step = self.agent_max_tokens + self.agent_result_tokens[1] + 32
+        return self.agents * (self.agent_system_tokens + self.agent_steps * per_step)
 
 
 FULL = Sizes()
@@ -62,6 +80,11 @@ QUICK = Sizes(
     zero_blocks=2,
     zero_prompt_tokens=96,
     zero_max_tokens=4,
+    agents=2,
+    agent_steps=3,
+    agent_system_tokens=600,
+    agent_result_tokens=(30, 80),
+    agent_max_tokens=48,
 )
 
 
@@ -197,6 +220,8 @@ def planned_requests(workload: str, sizes: Sizes, n_targets: int) -> int:
         return sizes.chat_conversations * sizes.chat_turns * n_targets
     if workload == "zero":
         return sizes.zero_prompts * sizes.zero_blocks * n_targets
+    if workload == AGENT:  # n_targets: the (target, API) pairs
+        return sizes.agents * sizes.agent_steps * n_targets
     if workload == REPLICAS:  # n_targets: its configurations, each sent the tenants and chat traffic
         return (planned_requests("tenants", sizes, 1) + planned_requests("chat", sizes, 1)) * n_targets
     raise ValueError(f"unknown workload {workload!r} (known: {', '.join(ALL_WORKLOADS)})")

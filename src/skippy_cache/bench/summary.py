@@ -12,7 +12,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from skippy_cache.bench.run import REPLICAS, Measurement, Sizes, Span
+from skippy_cache.bench.agent import APIS as AGENT_APIS
+from skippy_cache.bench.run import AGENT, REPLICAS, Measurement, Sizes, Span
 from skippy_cache.bench.targets import LLAMA_SERVER
 
 
@@ -111,6 +112,8 @@ def _rows(workload: str, ms: list[Measurement], spans: list[Span], sizes: Sizes)
                 (f"turn {turn}: cached share", "%", "higher", _cached_share(group)),
             ]
         rows.append(("all turns: cached share", "%", "higher", _cached_share(ms)))
+    elif workload == AGENT:
+        rows += _agent_rows(ms, sizes)
     elif workload == "zero":
         rows += [
             ("TTFT p50", "ms", "lower", percentile(_ttfts(ms), 50)),
@@ -119,6 +122,29 @@ def _rows(workload: str, ms: list[Measurement], spans: list[Span], sizes: Sizes)
             ("prompt tokens per second", "tok/s", "higher", _token_rate(spans, ms)),
         ]
     rows.append(("failed requests", "count", "", float(sum(not m.ok for m in ms))))
+    return rows
+
+
+def _agent_rows(ms: list[Measurement], sizes: Sizes) -> list[Row]:
+    """Per API: the first step alone and of the agents that follow, then each later step's TTFT
+    p50 and p90, all later steps pooled, and the cached shares."""
+    rows: list[Row] = []
+    for api in AGENT_APIS:
+        first, others = _group(ms, f"{api} step 1, agent 1"), _group(ms, f"{api} step 1, agents 2+")
+        later = [m for m in ms if m.group.startswith(f"{api} step ") and m not in first and m not in others]
+        rows += [
+            (f"{api}: step 1, agent 1: TTFT", "ms", "lower", percentile(_ttfts(first), 50)),
+            (f"{api}: step 1, agents 2+: TTFT p50", "ms", "lower", percentile(_ttfts(others), 50)),
+            (f"{api}: steps 2+: TTFT p50", "ms", "lower", percentile(_ttfts(later), 50)),
+            (f"{api}: steps 2+: TTFT p90", "ms", "lower", percentile(_ttfts(later), 90)),
+        ]
+        for step in range(2, sizes.agent_steps + 1):
+            ttfts = _ttfts(_group(ms, f"{api} step {step}"))
+            rows += [(f"{api}: step {step}: TTFT p{q}", "ms", "lower", percentile(ttfts, q)) for q in (50, 90)]
+        rows += [
+            (f"{api}: steps 2+: cached share", "%", "higher", _cached_share(later)),
+            (f"{api}: all steps: cached share", "%", "higher", _cached_share([*first, *others, *later])),
+        ]
     return rows
 
 
@@ -263,6 +289,11 @@ def _against_llama_server(
     compare("tenants", "later rounds: TTFT p50", 0.5, "tenants later-round p50")
     compare("tenants", "later rounds: TTFT p90", 0.5, "tenants later-round p90")
     compare("zero", "requests per second", 1.0, "zero throughput", higher=True)
+    for api in AGENT_APIS:
+        compare(AGENT, f"{api}: step 1, agents 2+: TTFT p50", 0.5, f"agent {api} step 1 of agents 2+ p50")
+        compare(AGENT, f"{api}: steps 2+: TTFT p50", 0.75, f"agent {api} steps 2+ p50")
+        compare(AGENT, f"{api}: steps 2+: TTFT p90", 1.0, f"agent {api} steps 2+ p90")
+        compare(AGENT, f"{api}: all steps: cached share", 1.0, f"agent {api} cached share", higher=True)
     return out
 
 

@@ -144,7 +144,8 @@ def server_command(
         assert llama_server is not None, "the llama-server peer needs its binary (find_llama_server)"
         # As users run it for 4 concurrent clients: 4 slots over one unified pool of ctx_size
         # cells (without --kv-unified each slot gets ctx_size / 4), as many threads as skippy-cache.
-        return [str(llama_server), "-m", str(model), "-c", str(ctx_size), "-np", "4", "--kv-unified",
+        # --jinja: the GGUF's chat template through its Jinja engine, which tool calls need.
+        return [str(llama_server), "-m", str(model), "-c", str(ctx_size), "-np", "4", "--kv-unified", "--jinja",
                 "-t", threads, "--host", "127.0.0.1", "--port", str(port), *([] if repack else ["--no-repack"])]
     return [
         sys.executable,

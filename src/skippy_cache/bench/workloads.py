@@ -1,4 +1,4 @@
-"""The four workloads, each a coroutine over a `Run`'s targets.
+"""The four default workloads, each a coroutine over a `Run`'s targets (and agent.py's, on request).
 
 The tenants and chat traffic are also sent, unchanged, to groups of replicas (`tenant_rounds` and
 `conversations` take a `Replicas` target and a group prefix; replicas.py drives them).
@@ -15,7 +15,8 @@ import random
 import time
 from collections.abc import Awaitable, Iterable
 
-from skippy_cache.bench.run import Replicas, Run
+from skippy_cache.bench.agent import agent
+from skippy_cache.bench.run import AGENT, Replicas, Run
 from skippy_cache.bench.targets import Target
 from skippy_cache.bench.text import WORDS, passage, words_for
 
@@ -200,4 +201,4 @@ async def zero(run: Run) -> None:
             run.span("zero", target, f"block {block + 1}", started, len(prompts))
 
 
-WORKLOAD_FUNCTIONS = {"warm": warm, "tenants": tenants, "chat": chat, "zero": zero}
+WORKLOAD_FUNCTIONS = {"warm": warm, "tenants": tenants, "chat": chat, "zero": zero, AGENT: agent}

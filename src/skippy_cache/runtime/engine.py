@@ -658,7 +658,8 @@ class Engine:
         self._cached_tokens += stats.cached_tokens
         # Sent after the step's stats are published, so a caller that reads
         # stats() on completion sees its own request counted.
-        done = DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits)
+        done = DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits,
+                         lane.stream.stopped_on)
         if sent is None:
             self._outbox.append((lane.sink, done))
         else:

@@ -146,6 +146,8 @@ class DoneEvent:
     tokens: tuple[int, ...]
     error: str | None = None
     first_logits: np.ndarray | None = None
+    #: The stop string that ended the text (finish_reason STOP), None if it ended otherwise.
+    stop_sequence: str | None = None
 
 
 Event = TokenEvent | DoneEvent

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from skippy_cache.runtime import Engine
+from skippy_cache.server.anthropic import GenerateRequest, MessagesAPI, MessagesRequest
 from skippy_cache.server.chat import ChatFormatter, choose_chat_template
 from skippy_cache.server.dashboard import dashboard_data, page
 from skippy_cache.server.errors import APIError, install_error_handlers
@@ -21,6 +22,7 @@ from skippy_cache.server.generation import Generation
 from skippy_cache.server.limits import BodyLimit, RequestLimits
 from skippy_cache.server.metrics import RequestCounter, ServerMetrics
 from skippy_cache.server.modelnames import ModelNames
+from skippy_cache.server.openai_responses import ResponsesAPI, ResponsesRequest
 from skippy_cache.server.schemas import CacheQuery, ChatCompletionRequest, CompletionRequest, UnpinRequest
 from skippy_cache.server.settings import ServerSettings
 from skippy_cache.server.stats import cache_report
@@ -28,6 +30,9 @@ from skippy_cache.server.stats import cache_report
 ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
     "/v1/models",
     "/v1/cache",
     "/v1/cache/explain",
@@ -101,6 +106,12 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
                      openapi_extra=_json_body(CompletionRequest))
     v1.add_api_route("/chat/completions", generation.chat_completions, methods=["POST"],
                      openapi_extra=_json_body(ChatCompletionRequest))
+    anthropic = MessagesAPI(generation)
+    v1.add_api_route("/messages", anthropic.messages, methods=["POST"], openapi_extra=_json_body(GenerateRequest))
+    v1.add_api_route("/messages/count_tokens", anthropic.count_tokens, methods=["POST"],
+                     openapi_extra=_json_body(MessagesRequest))
+    responses = ResponsesAPI(generation)
+    v1.add_api_route("/responses", responses.create, methods=["POST"], openapi_extra=_json_body(ResponsesRequest))
     v1.add_api_route("/cache/explain", generation.explain, methods=["POST"], openapi_extra=_json_body(CacheQuery))
     v1.add_api_route("/cache/unpin", generation.unpin, methods=["POST"], openapi_extra=_json_body(UnpinRequest))
 
@@ -181,10 +192,13 @@ def _bearer_auth(api_key: str):
 
     async def check(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode("utf-8"), expected):
+        if scheme.lower() != "bearer":
+            # Anthropic's clients send the key as `x-api-key`.
+            token = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(token.strip().encode("utf-8"), expected):
             raise APIError(
                 401,
-                "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                "missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )

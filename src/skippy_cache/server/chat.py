@@ -28,7 +28,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from skippy_cache.runtime import apply_builtin_chat_template
-from skippy_cache.server.schemas import ChatMessage
+from skippy_cache.server.schemas import ChatMessage, ToolSpec
+from skippy_cache.server.tools import call_text
 
 log = logging.getLogger("skippy_cache.server")
 
@@ -62,6 +63,29 @@ BUILTIN_BY_ARCHITECTURE = {
     "rwkv6": "rwkv-world",
     "rwkv7": "rwkv-world",
 }
+
+
+#: The made-up tool and call the load-time probe renders (`ChatFormatter._probe`).
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "skippy_probe_tool", "description": "skippy-probe-description",
+    "parameters": {"type": "object", "properties": {"skippy_probe_arg": {"type": "integer"}}}}}
+PROBE_CALL_TEXT = call_text("skippy_probe_tool", '{"skippy_probe_arg": 7}')
+
+
+@dataclass(frozen=True)
+class TemplateCaps:
+    """What a chat template renders, probed at load."""
+
+    #: A system message (Gemma's templates refuse one: it then opens the first user turn).
+    system_role: bool
+    #: Tools, calls and tool results, calls in the syntax server/tools.py parses; otherwise the
+    #: tools go into the system message and calls and results into text (tools.py's fallback).
+    tools: bool
+
+    def describe(self) -> str:
+        tools = "rendered by the template" if self.tools else "fallback block in the system message"
+        system = "" if self.system_role else "; no system role (it opens the first user turn)"
+        return f"tools {tools}{system}"
 
 
 class ChatTemplateError(ValueError):
@@ -159,32 +183,87 @@ class ChatFormatter:
                 self._template = _environment().from_string(CHATML_TEMPLATE)
                 self.template = ChatTemplate(f"{template.origin} does not compile: ChatML", jinja=CHATML_TEMPLATE)
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
+        self.caps = self._probe()
+
+    def render(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = ()) -> str:
+        """The prompt text of `messages`; `tools` go to a template that renders them (`caps.tools`)."""
+        dicts = [_message_dict(m) for m in messages]
+        if not self.caps.system_role and len(dicts) > 1 and dicts[0]["role"] == "system":
+            # A template that refuses the system role (Gemma's) gets it as the first user turn's opening.
+            system, first = dicts[0], dicts[1]
+            dicts = [{**first, "content": f"{system['content']}\n\n{first['content']}"}, *dicts[2:]]
+        return self._render(dicts, [t.model_dump(exclude_none=True) for t in tools])
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
         if self._template is None:
-            turns = [(m["role"], m["content"]) for m in (_message_dict(m) for m in messages)]
+            turns = [(m["role"], m["content"]) for m in messages]
             try:
                 return apply_builtin_chat_template(self.template.builtin or "", turns)
             except ValueError as exc:
                 raise ChatTemplateError(str(exc)) from exc
         try:
             return self._template.render(
-                messages=[_message_dict(m) for m in messages],
+                messages=messages,
+                tools=tools or None,
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except jinja2.TemplateError as exc:
+        except Exception as exc:  # noqa: BLE001 - a template is a program: any failure of it is its refusal
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from exc
+
+    def _probe(self) -> TemplateCaps:
+        """What the template renders, from a few renders of made-up messages at load.
+
+        Tools count as native only where the template renders all three (the tools, a call and a
+        result) and writes the call in the syntax server/tools.py parses and constrains
+        (Hermes', as Qwen 2.5 and 3 and the Hermes models do): the reply the model is steered to
+        write is then the call the template re-renders on the next turn.
+        """
+        def renders(messages: list[dict[str, Any]], tools: list[dict[str, Any]], *needles: str) -> bool:
+            try:
+                text = self._render(messages, tools)
+            except ChatTemplateError:
+                return False
+            return all(needle in text for needle in needles)
+
+        if self._template is None:
+            return TemplateCaps(system_role=True, tools=False)
+        user = {"role": "user", "content": "skippy-probe-user"}
+        system = renders([{"role": "system", "content": "skippy-probe-system"}, user], [],
+                         "skippy-probe-system", "skippy-probe-user")
+        call = {"id": "call_probe", "type": "function",
+                "function": {"name": PROBE_TOOL["function"]["name"], "arguments": {"skippy_probe_arg": 7}}}
+        history = [user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": "call_probe", "content": "skippy-probe-result"}]
+        tools = renders(history, [PROBE_TOOL], PROBE_TOOL["function"]["description"], PROBE_CALL_TEXT,
+                        "skippy-probe-result")
+        return TemplateCaps(system_role=system, tools=tools)
 
     def starts_with_bos(self, text: str) -> bool:
         """True when the rendered text already carries BOS, so tokenizing must not add another."""
         return bool(self.bos_token) and text.startswith(self.bos_token)
 
 
-def _message_dict(message: ChatMessage) -> dict[str, str]:
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    """A message as Hugging Face templates take it: a call's arguments as an object (templates
+    write them with `tojson`), a tool result with its call's id."""
     # Templates know system/user/assistant(/tool); OpenAI's newer "developer" role is the system role.
     role = "system" if message.role == "developer" else message.role
-    out = {"role": role, "content": message.content or ""}
+    out: dict[str, Any] = {"role": role, "content": message.content or ""}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function",
+                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                             for c in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text  # as sent: the template writes what it was given

@@ -44,14 +44,37 @@ class APIError(Exception):
         self.headers = headers
 
 
+#: Routes whose errors take Anthropic's shape: what the `anthropic` client parses.
+ANTHROPIC_PREFIX = "/v1/messages"
+
+#: Anthropic's error type for each status (its API's list; 503 and 529 are "overloaded").
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
 def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(error: APIError) -> JSONResponse:
-    body = error_body(error.message, error.type, error.param, error.code)
+def anthropic_error_body(status: int, message: str) -> dict:
+    """`{"type": "error", "error": {"type", "message"}}`; the type follows the status."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(path: str, status: int, message: str, type: str, param: str | None = None,
+                   code: str | None = None) -> dict:
+    """The error body in the shape the route's clients parse: Anthropic's or OpenAI's."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_error_body(status, message)
+    return error_body(message, type, param, code)
+
+
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    body = error_body_for(path, error.status, error.message, error.type, error.param, error.code)
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
@@ -101,31 +124,32 @@ def _param_path(loc: Sequence[str | int]) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestError)
     @app.exception_handler(QueueFullError)
     @app.exception_handler(EngineClosedError)
-    async def _engine_error(_request: Request, exc: Exception) -> JSONResponse:
-        return error_response(from_engine_error(exc))
+    async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(from_engine_error(exc), request.url.path)
 
     @app.exception_handler(ValidationError)
-    async def _pydantic_error(_request: Request, exc: ValidationError) -> JSONResponse:
-        return error_response(from_validation_errors(exc.errors()))
+    async def _pydantic_error(request: Request, exc: ValidationError) -> JSONResponse:
+        return error_response(from_validation_errors(exc.errors()), request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _fastapi_validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(from_validation_errors(list(exc.errors())))
+    async def _fastapi_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(from_validation_errors(list(exc.errors())), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         error = APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers)
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error: %s", exc)
-        return error_response(APIError(500, "internal server error; see the server log", type="server_error"))
+        return error_response(APIError(500, "internal server error; see the server log", type="server_error"),
+                              request.url.path)

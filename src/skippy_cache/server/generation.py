@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from skippy_cache.radix import shared_length
 from skippy_cache.runtime import (
     DoneEvent,
     Engine,
@@ -27,17 +26,19 @@ from skippy_cache.runtime import (
     TokenLogprobs,
 )
 from skippy_cache.server.bridge import EngineRun, EngineRuns, cancel_on_disconnect
-from skippy_cache.server.chat import ChatFormatter, ChatTemplateError
+from skippy_cache.server.chat import ChatFormatter
 from skippy_cache.server.errors import APIError, error_body, from_engine_error, from_validation_errors
 from skippy_cache.server.limits import RequestLimits
 from skippy_cache.server.metrics import ServerMetrics
 from skippy_cache.server.modelnames import ModelNames
+from skippy_cache.server.jobs import ChatJob, Job
+from skippy_cache.server.prompts import Prompt, PromptBuilder
+from skippy_cache.server.replies import Reply, ReplyMemory
 from skippy_cache.server.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
 from skippy_cache.server.responses import explanation_answer
 from skippy_cache.server.schemas import (
     CacheQuery,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     UnpinRequest,
 )
@@ -49,17 +50,6 @@ T = TypeVar("T", bound=BaseModel)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@dataclass(frozen=True, slots=True)
-class Prompt:
-    """A request's prompt tokens and what the cache is told about where its messages sit in them."""
-
-    tokens: list[int]
-    #: `GenerationRequest.replies`: earlier assistant replies, as (start, end) positions.
-    replies: tuple[tuple[int, int], ...] = ()
-    #: `GenerationRequest.prefix_ends`: where the system message ends.
-    prefix_ends: tuple[int, ...] = ()
-
-
 @dataclass(frozen=True)
 class Generation:
     engine: Engine
@@ -69,51 +59,90 @@ class Generation:
     models: ModelNames
     limits: RequestLimits
     system_fingerprint: str
+    memory: ReplyMemory = field(default_factory=ReplyMemory)
 
     @property
     def model_id(self) -> str:
         return self.models.served
 
+    @property
+    def prompts(self) -> PromptBuilder:
+        return PromptBuilder(self.engine, self.chat, self.memory)
+
     async def completions(self, request: Request) -> Response:
-        body = await _parse(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest)
         self.models.check(body.model)
         self.limits.check_stop(body.stop)
         tokens = await self._prompt_tokens(body.prompt)
         self.limits.check_prompt(len(tokens), param="prompt")
-        max_tokens = body.max_tokens_or_default()
         echo = ""
         if body.echo:
             prompt = body.prompt
             echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.engine.detokenize, tokens)
-        run = self._submit(body, Prompt(tokens), max_tokens, prompt_param="prompt")
+        job = Job(**_job_fields(body), max_tokens=body.max_tokens_or_default(), top_logprobs=body.logprobs)
+        run = self.submit(job, Prompt(tokens), prompt_param="prompt")
         fmt = CompletionFormat(self.model_id, self.system_fingerprint, echo=echo,
                                logprobs=body.logprobs is not None)
         return await self._respond(request, run, body, fmt)
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest)
         self.models.check(body.model)
-        self.limits.check_stop(body.stop)
-        self.limits.check_messages(len(body.messages))
-        grammar = _tool_grammar(body)
-        messages = render_messages(body.messages, body.tools or [])
-        prompt = await asyncio.to_thread(self._chat_prompt, messages)
-        tokens = prompt.tokens
-        self.limits.check_prompt(len(tokens), param="messages")
-        max_tokens = body.requested_max_tokens
-        if max_tokens is None:
+        job = ChatJob(**_job_fields(body), max_tokens=body.requested_max_tokens,
+                      top_logprobs=body.top_logprobs_wanted, messages=body.messages, tools=body.tools or [],
+                      tool_mode=body.tool_mode,
+                      # One call unless asked for more, as llama-server does: small models asked
+                      # for "one or more" tend to repeat a call until max_tokens.
+                      parallel=body.parallel_tool_calls is True)
+        runs, _ = await self.start_chat(job)
+        fmt = ChatFormat(self.model_id, self.system_fingerprint, logprobs=bool(body.logprobs),
+                         tool_names=job.tool_names, incremental=job.constrained,
+                         legacy_functions=body.legacy_functions)
+        return await self._respond(request, runs, body, fmt, job)
+
+    async def prompt_size(self, job: ChatJob) -> int:
+        """How many tokens a chat job's prompt has, as `start_chat` would render it."""
+        self.limits.check_messages(len(job.messages))
+        tool_grammar(job)  # the same 400s for tools the converter refuses
+        prompt = await asyncio.to_thread(self._chat_prompt, job)
+        return len(prompt.tokens)
+
+    async def start_chat(self, job: ChatJob) -> tuple[EngineRuns, int]:
+        """Render a chat job's prompt (tools, past calls and results included), check it against the
+        limits and submit it, with the tool grammar its `tool_mode` asks for. Returns the runs and
+        the prompt's length."""
+        self.limits.check_stop(list(job.stop))
+        self.limits.check_messages(len(job.messages))
+        grammar = tool_grammar(job)
+        prompt = await asyncio.to_thread(self._chat_prompt, job)
+        self.limits.check_prompt(len(prompt.tokens), param=job.prompt_param)
+        if job.max_tokens is None:
             # Up to what the context has left, capped (settings.DEFAULT_CHAT_MAX_TOKENS says why);
             # at least 1 so a prompt that fills the context gets the engine's context error.
-            max_tokens = max(min(self.settings.default_max_tokens, self.engine.info.n_ctx - len(tokens)), 1)
-        run = self._submit(body, prompt, max_tokens, prompt_param="messages", grammar=grammar)
-        names = {t.function.name for t in body.tools or ()} if body.tool_mode != "none" else None
-        fmt = ChatFormat(self.model_id, self.system_fingerprint, logprobs=bool(body.logprobs),
-                         tool_names=names or None)
-        return await self._respond(request, run, body, fmt)
+            n_ctx = self.engine.info.n_ctx
+            job = replace(job, max_tokens=max(min(self.settings.default_max_tokens, n_ctx - len(prompt.tokens)), 1))
+        return self.submit(job, prompt, prompt_param=job.prompt_param, grammar=grammar), len(prompt.tokens)
+
+    def _chat_prompt(self, job: ChatJob) -> Prompt:
+        def recall(call_id: str) -> str | None:
+            reply = self.memory.by_call(job.namespace, call_id)
+            return reply.text if reply is not None else None
+
+        native = self.chat.caps.tools
+        messages = render_messages(job.messages, job.tools, recall, native=native)
+        return self.prompts.build(messages, job.namespace, tools=job.tools if native else (), prefill=job.prefill)
+
+    def remember(self, job: Job, done: DoneEvent, call_ids: tuple[str, ...] = ()) -> None:
+        """Keep a finished chat reply's sampled tokens for the next turn that resends it (replies.py)."""
+        if not job.record or done.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            return
+        # A stop string cut inside a token leaves text the tokens do not spell: not kept.
+        if self.engine.detokenize(list(done.tokens)) == done.text:
+            self.memory.remember(job.namespace, Reply(done.text, done.tokens), call_ids)
 
     async def explain(self, request: Request) -> Response:
         """What a request with this prompt would reuse right now, from where, and why not more."""
-        body = await _parse(request, CacheQuery)
+        body = await parse_body(request, CacheQuery)
         query = await self._query(body)
         try:
             explanation = await asyncio.to_thread(self.engine.explain, query)
@@ -123,7 +152,7 @@ class Generation:
 
     async def unpin(self, request: Request) -> Response:
         """Release the pin on a prompt's entry, or (`all`) every pin."""
-        body = await _parse(request, UnpinRequest)
+        body = await parse_body(request, UnpinRequest)
         query = None if body.all else await self._query(body)
         try:
             released = await asyncio.to_thread(self.engine.unpin, query)
@@ -135,7 +164,9 @@ class Generation:
         self.models.check(body.model)
         if body.messages is not None:
             self.limits.check_messages(len(body.messages))
-            prompt = await asyncio.to_thread(self._chat_prompt, render_messages(body.messages, body.tools or []))
+            job = ChatJob(sampling=SamplingParams(), max_tokens=1, namespace=body.cache_salt,
+                          messages=body.messages, tools=body.tools or [])
+            prompt = await asyncio.to_thread(self._chat_prompt, job)
         else:
             assert body.prompt is not None  # CacheQuery holds exactly one of the two
             prompt = Prompt(await self._prompt_tokens(body.prompt))
@@ -150,69 +181,25 @@ class Generation:
             return await asyncio.to_thread(self.engine.tokenize, prompt)
         return list(prompt)
 
-    def _chat_prompt(self, messages: list[ChatMessage]) -> Prompt:
-        """The messages' prompt tokens; where earlier assistant replies sit in them
-        (`GenerationRequest.replies`): every one in deterministic mode, whose kernels depend on
-        them, the last one in fast mode, where they only name the partial chunk a lookup by name
-        may end on (one render more per request, not one per turn); and where the system message
-        ends (`GenerationRequest.prefix_ends`): the prefix every user of one system prompt shares."""
-        try:
-            tokens = self._chat_tokens(messages)
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param="messages", code="invalid_value") from None
-        replies = []
-        for k in reversed(range(1, len(messages))):
-            message = messages[k]
-            if message.role != "assistant" or not message.content:
-                continue
-            try:
-                # The reply was generated after the prompt of the messages before it.
-                start = len(self._chat_tokens(messages[:k]))
-            except ChatTemplateError:
-                continue  # a template may refuse a history cut there: the reply is then not reused
-            replies.append((start, start + len(self.engine.tokenize(message.content, add_special=False))))
-            if not self.engine.info.deterministic:
-                break
-        return Prompt(tokens, tuple(reversed(replies)), self._system_end(messages, tokens))
-
-    def _system_end(self, messages: list[ChatMessage], tokens: list[int]) -> tuple[int, ...]:
-        """Where the prompt stops being the system message's alone: as far as it agrees with the
-        system message rendered on its own (empty: no system message, or nothing after it)."""
-        if len(messages) < 2 or messages[0].role not in ("system", "developer"):
-            return ()
-        try:
-            alone = self._chat_tokens(messages[:1])
-        except ChatTemplateError:
-            return ()  # a template may refuse a system message alone: nothing is marked
-        end = shared_length(alone, tokens)
-        return (end,) if 0 < end < len(tokens) else ()
-
-    def _chat_tokens(self, messages: list[ChatMessage]) -> list[int]:
-        text = self.chat.render(messages)
-        # The template may already emit BOS; the tokenizer would add a second one.
-        return self.engine.tokenize(text, add_special=not self.chat.starts_with_bos(text))
-
-    def _submit(self, body: CompletionRequest | ChatCompletionRequest, prompt: Prompt, max_tokens: int,
-                *, prompt_param: str, grammar: str | None = None) -> EngineRuns:
+    def submit(self, job: Job, prompt: Prompt, *, prompt_param: str, grammar: str | None = None) -> EngineRuns:
         """One engine request per choice (`n`), all with the same prompt: the first prefills it, the
         others share its cells in flight or reuse its entry, so a choice costs about its decode.
         `grammar`: the tool calls' (the request's own, from `response_format`, otherwise)."""
-        sampling = body.sampling()
-        if grammar is not None:
-            sampling = replace(sampling, grammar=grammar)
+        assert job.max_tokens is not None
+        sampling = job.sampling if grammar is None else replace(job.sampling, grammar=grammar)
         runs: list[EngineRun] = []
         try:
-            for index in range(body.choices):
+            for index in range(job.choices):
                 request = GenerationRequest(
                     tokens=prompt.tokens,
-                    max_tokens=max_tokens,
+                    max_tokens=job.max_tokens,
                     sampling=_choice_sampling(sampling, index),
-                    stop=body.stop_strings(),
-                    namespace=body.cache_salt,
-                    lookup=body.cache.lookup,
-                    record=body.cache.store,
-                    pin=body.pin,
-                    top_logprobs=body.top_logprobs_wanted,
+                    stop=job.stop,
+                    namespace=job.namespace,
+                    lookup=job.lookup,
+                    record=job.record,
+                    pin=job.pin,
+                    top_logprobs=job.top_logprobs,
                     replies=prompt.replies,
                     prefix_ends=prompt.prefix_ends,
                 )
@@ -223,51 +210,65 @@ class Generation:
             raise from_engine_error(exc, prompt_param=prompt_param) from None
         return EngineRuns(runs)
 
-    async def _respond(self, request: Request, runs: EngineRuns,
-                       body: CompletionRequest | ChatCompletionRequest, fmt: ResponseFormat) -> Response:
+    async def _respond(self, request: Request, runs: EngineRuns, body: CompletionRequest | ChatCompletionRequest,
+                       fmt: ResponseFormat, job: ChatJob | None = None) -> Response:
         # Cancels the engine requests if the client goes away; ends by itself
         # once the response is complete (the server then reports a disconnect).
         watcher = asyncio.create_task(cancel_on_disconnect(request, runs))
         if body.stream:
-            events = _sse(runs, fmt, body.include_usage, watcher)
+            remember = (lambda index, done: self.remember(job, done, fmt.call_ids(index))) if job else None
+            events = _sse(runs, fmt, body.include_usage, watcher, remember)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        try:
-            choices = await _collect(runs)
-        finally:
-            # A watcher that ended by itself saw the client go (no response was sent yet).
-            client_left = watcher.done() and not watcher.cancelled()
-            watcher.cancel()
-            runs.cancel()
-        for choice in choices:
-            done = choice.done
-            if done.finish_reason is FinishReason.ERROR:
-                raise APIError(500, done.error or "generation failed", type="server_error")
-            if done.finish_reason is FinishReason.CANCELLED:
-                raise _cancelled(client_left)
-        return JSONResponse(fmt.response(choices))
+        choices = await collect(request, runs, watcher)
+        answer = fmt.response(choices)
+        if job is not None:
+            for choice in choices:
+                self.remember(job, choice.done, fmt.call_ids(choice.index))
+        return JSONResponse(answer)
 
 
-def _tool_grammar(body: ChatCompletionRequest) -> str | None:
-    """The grammar `tool_choice` asks for (required, or a named tool); None for auto and none.
+def _job_fields(body: CompletionRequest | ChatCompletionRequest) -> dict:
+    """The `Job` fields both OpenAI bodies spell alike."""
+    return {"sampling": body.sampling(), "stop": body.stop_strings(), "namespace": body.cache_salt,
+            "lookup": body.cache.lookup, "record": body.cache.store, "pin": body.pin, "choices": body.choices}
+
+
+def tool_grammar(job: ChatJob) -> str | None:
+    """The grammar `tool_mode` asks for (required, or a named tool); None for auto and none.
 
     Every tool's schema is converted whatever the choice, so a schema the converter refuses is a
     400 on the request that sends it, not on a later one that asks for a call."""
-    if not body.tools:
+    if not job.tools:
         return None
-    mode = body.tool_mode
-    # One call unless asked for more, as llama-server does: small models asked for "one or more"
-    # tend to repeat a call until max_tokens.
-    parallel = body.parallel_tool_calls is True
+    mode = job.tool_mode
     try:
-        grammar = call_grammar(body.tools, "required" if mode in ("none", "auto") else mode, parallel)
+        grammar = call_grammar(job.tools, "required" if mode in ("none", "auto") else mode, job.parallel)
     except ValueError as exc:
         raise APIError(400, str(exc), param="tools", code="invalid_value") from None
     if mode in ("none", "auto"):
         return None
-    if body.response_format is not None and body.response_format.grammar is not None:
+    if job.sampling.grammar is not None:
         raise APIError(400, "response_format cannot constrain a reply that tool_choice makes a tool call",
                        param="response_format", code="invalid_value")
     return grammar
+
+
+async def collect(request: Request, runs: EngineRuns, watcher: asyncio.Task[None]) -> list[Choice]:
+    """Every choice, finished; a failed or cancelled one is the APIError the client gets instead."""
+    try:
+        choices = await _collect(runs)
+    finally:
+        # A watcher that ended by itself saw the client go (no response was sent yet).
+        client_left = watcher.done() and not watcher.cancelled()
+        watcher.cancel()
+        runs.cancel()
+    for choice in choices:
+        done = choice.done
+        if done.finish_reason is FinishReason.ERROR:
+            raise APIError(500, done.error or "generation failed", type="server_error")
+        if done.finish_reason is FinishReason.CANCELLED:
+            raise _cancelled(client_left)
+    return choices
 
 
 def _choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
@@ -300,7 +301,8 @@ def _cancelled(client_left: bool) -> APIError:
     return APIError(503, "the request was cancelled", type="server_error", code="cancelled")
 
 
-async def _parse(request: Request, model: type[T]) -> T:
+async def parse_body(request: Request, model: type[T]) -> T:
+    """The JSON body as `model`; a 400 naming the field otherwise."""
     raw = await request.body()
     try:
         data = json.loads(raw)
@@ -318,8 +320,8 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _sse(runs: EngineRuns, fmt: ResponseFormat, include_usage: bool,
-               watcher: asyncio.Task[None]) -> AsyncIterator[str]:
+async def _sse(runs: EngineRuns, fmt: ResponseFormat, include_usage: bool, watcher: asyncio.Task[None],
+               remember: Callable[[int, DoneEvent], None] | None = None) -> AsyncIterator[str]:
     """OpenAI's server-sent events: chunks (each naming its choice's `index`), then `data: [DONE]`.
 
     However the stream ends (finished, client gone and this generator
@@ -341,6 +343,8 @@ async def _sse(runs: EngineRuns, fmt: ResponseFormat, include_usage: bool,
                 for chunk in fmt.final_chunks(index, event.finish_reason):
                     yield _event(chunk)
                 stats.append((index, event.stats))
+                if remember is not None:
+                    remember(index, event)
             else:
                 # Headers are gone already; OpenAI reports mid-stream failures as an error event.
                 message = event.error or f"the request was {event.finish_reason.value}"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from skippy_cache.server.errors import APIError, error_body
+from skippy_cache.server.errors import APIError, error_body_for
 from skippy_cache.server.settings import MIB, ServerSettings
 
 
@@ -88,7 +88,7 @@ class BodyLimit:
             return
         length = _content_length(scope)
         if length is not None and length > self.max_bytes:
-            await self._refuse(receive, send, drain=length <= DRAIN_FACTOR * self.max_bytes)
+            await self._refuse(scope["path"], receive, send, drain=length <= DRAIN_FACTOR * self.max_bytes)
             return
         chunks: list[bytes] = []
         size = 0
@@ -102,7 +102,7 @@ class BodyLimit:
             size += len(chunk)
             more = message.get("more_body", False)
             if size > self.max_bytes:
-                await self._refuse(receive, send, drain=more)
+                await self._refuse(scope["path"], receive, send, drain=more)
                 return
             chunks.append(chunk)
             if not more:
@@ -110,7 +110,7 @@ class BodyLimit:
         whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, _replay([whole], receive), send)
 
-    async def _refuse(self, receive: Receive, send: Send, *, drain: bool) -> None:
+    async def _refuse(self, path: str, receive: Receive, send: Send, *, drain: bool) -> None:
         left = drain
         dropped = 0
         while left and dropped <= DRAIN_FACTOR * self.max_bytes:
@@ -121,8 +121,8 @@ class BodyLimit:
             left = message.get("more_body", False)
         limit = self.max_bytes // MIB if self.max_bytes % MIB == 0 else self.max_bytes
         unit = " MiB" if self.max_bytes % MIB == 0 else " bytes"
-        body = json.dumps(error_body(
-            f"the request body is larger than {limit}{unit} (--max-body-mib)",
+        body = json.dumps(error_body_for(
+            path, 413, f"the request body is larger than {limit}{unit} (--max-body-mib)",
             "invalid_request_error", code="request_too_large",
         )).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]

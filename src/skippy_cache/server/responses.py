@@ -199,11 +199,24 @@ class ChatFormat(_Envelope):
     """
 
     def __init__(self, model: str, system_fingerprint: str, *, logprobs: bool = False,
-                 tool_names: set[str] | None = None) -> None:
+                 tool_names: set[str] | None = None, incremental: bool = False,
+                 legacy_functions: bool = False) -> None:
         super().__init__(model, system_fingerprint, "chatcmpl")
         self.logprobs = logprobs
         self.tool_names = tool_names
+        #: Stream calls as generated (`CallSplitter.incremental`: a grammar holds the reply to calls).
+        self.incremental = incremental
+        #: The request used `functions`: a call is `function_call` (one per reply), not `tool_calls`.
+        self.legacy_functions = legacy_functions
         self._splitters: dict[int, CallSplitter] = {}
+        self._calls: dict[int, list[Call]] = {}
+        self._calls_done: dict[int, int] = {}
+
+    def call_ids(self, index: int) -> tuple[str, ...]:
+        """The ids of the calls choice `index` returned (streamed or not)."""
+        splitter = self._splitters.get(index)
+        calls = splitter.calls if splitter is not None else self._calls.get(index, [])
+        return tuple(call.id for call in calls)
 
     def response(self, choices: Sequence[Choice]) -> dict:
         out = []
@@ -211,10 +224,14 @@ class ChatFormat(_Envelope):
             message: dict = {"role": "assistant", "content": c.done.text, "refusal": None}
             reason = finish_reason(c.done.finish_reason)
             if self.tool_names is not None:
-                text, calls = split_reply(c.done.text, self.tool_names)
+                text, calls = split_reply(c.done.text, self.tool_names, incremental=self.incremental)
+                self._calls[c.index] = calls
                 if calls:
-                    message = {"role": "assistant", "content": text or None, "refusal": None,
-                               "tool_calls": [_tool_call(call) for call in calls]}
+                    message = {"role": "assistant", "content": text or None, "refusal": None}
+                    if self.legacy_functions:
+                        message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+                    else:
+                        message["tool_calls"] = [_tool_call(call) for call in calls]
                     reason = self._calls_reason(c.done.finish_reason)
             out.append({
                 "index": c.index,
@@ -254,29 +271,43 @@ class ChatFormat(_Envelope):
         return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage(stats),
                 "skippy_cache": cache_answer(stats[0])}
 
-    @staticmethod
-    def _calls_reason(reason: FinishReason) -> str:
+    def _calls_reason(self, reason: FinishReason) -> str:
         # A reply cut at max_tokens says so, calls or not; one that ended on its own called tools.
-        return "tool_calls" if reason is FinishReason.STOP else finish_reason(reason)
+        if reason is not FinishReason.STOP:
+            return finish_reason(reason)
+        return "function_call" if self.legacy_functions else "tool_calls"
 
     def _splitter(self, index: int) -> CallSplitter:
         assert self.tool_names is not None
-        return self._splitters.setdefault(index, CallSplitter(self.tool_names))
+        return self._splitters.setdefault(index, CallSplitter(self.tool_names, incremental=self.incremental))
 
     def _tool_chunks(self, index: int, deltas: Sequence[Delta]) -> list[dict]:
         """Text as content deltas; a call as OpenAI streams one: id, type and name with empty
-        arguments, then the arguments (the same string the non-streamed response holds)."""
+        arguments, then the arguments in pieces (which concatenate to the non-streamed string)."""
         chunks = []
         for delta in deltas:
-            if delta.call is None:
+            if delta.text:
                 chunks.append(self._chunk(index, {"content": delta.text}, None))
+            # The call a start or a fragment belongs to: the one after those already done.
+            number = self._calls_done.get(index, 0)
+            if delta.done is not None:
+                self._calls_done[index] = number + 1
+            if self.legacy_functions:
+                if number > 0:
+                    continue  # the legacy form holds one call
+                if delta.call is not None:
+                    chunks.append(self._chunk(index, {"function_call": {"name": delta.call.name,
+                                                                        "arguments": ""}}, None))
+                elif delta.arguments:
+                    chunks.append(self._chunk(index, {"function_call": {"arguments": delta.arguments}}, None))
                 continue
-            number = self._splitter(index).calls.index(delta.call)
-            head = {"index": number, "id": delta.call.id, "type": "function",
-                    "function": {"name": delta.call.name, "arguments": ""}}
-            chunks.append(self._chunk(index, {"tool_calls": [head]}, None))
-            chunks.append(self._chunk(index, {"tool_calls": [{"index": number, "function": {
-                "arguments": delta.call.arguments}}]}, None))
+            if delta.call is not None:
+                head = {"index": number, "id": delta.call.id, "type": "function",
+                        "function": {"name": delta.call.name, "arguments": ""}}
+                chunks.append(self._chunk(index, {"tool_calls": [head]}, None))
+            elif delta.arguments:
+                chunks.append(self._chunk(index, {"tool_calls": [{"index": number, "function": {
+                    "arguments": delta.arguments}}]}, None))
         return chunks
 
     def _chunk(self, index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:

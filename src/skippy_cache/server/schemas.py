@@ -5,8 +5,8 @@ Strict types (a string is not a number, 1 is not `true`), so a wrong type is a
 ignored because ignoring it cannot change the output (`user`, `metadata`,
 `store`, ... each declared below and marked so), or a 400 naming it: an
 unknown field (`unknown_parameter`), and a known OpenAI field this server
-does not do (`functions`, `suffix`, ...: `unsupported_parameter`), unless it is
-sent with its do-nothing value (`"functions": []`). A client that asks for
+does not do (`suffix`, `audio`, ...: `unsupported_parameter`), unless it is
+sent with its do-nothing value (`"suffix": ""`). A client that asks for
 something must never get something else with a 200. Union fields are
 normalised by `before` validators, so an error names the field (`prompt`),
 not pydantic's union branch (`prompt.list[int][3]`).
@@ -40,7 +40,7 @@ MAX_COMPLETION_LOGPROBS = 5
 MAX_LOGIT_BIAS = 100.0
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     # Unknown fields are refused, not dropped: a misspelt or unsupported
     # option silently ignored gives the client something it did not ask for.
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -54,13 +54,11 @@ UNSUPPORTED = "unsupported_parameter"
 _INERT: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "best_of": (1,),
-    "functions": ([],),
-    "function_call": ("none",),
     "annotations": ([],),
 }
 
 
-def _refuse_unless_inert(value: Any, info: ValidationInfo) -> None:
+def refuse_unless_inert(value: Any, info: ValidationInfo) -> None:
     """Accept a field this server does not do only with a value that asks for nothing."""
     inert = _INERT.get(info.field_name or "", ())
     # `type(...) is`: `true == 1`, and `"best_of": true` is a wrong type, not 1.
@@ -70,13 +68,13 @@ def _refuse_unless_inert(value: Any, info: ValidationInfo) -> None:
                               {"field": info.field_name})
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
     #: Ignored: OpenAI pads chunks against a side channel; nothing here to pad.
     include_obfuscation: bool | None = None
 
 
-class CacheControl(_Strict):
+class CacheControl(Strict):
     """Per-request cache control: `"cache": {"lookup": false, "store": false}` (`extra_body` with the openai client)."""
 
     #: Reuse cached prefixes for this request.
@@ -85,7 +83,7 @@ class CacheControl(_Strict):
     store: bool = True
 
 
-class JsonSchemaSpec(_Strict):
+class JsonSchemaSpec(Strict):
     """`response_format.json_schema`: OpenAI's structured output."""
 
     name: str | None = None
@@ -96,7 +94,7 @@ class JsonSchemaSpec(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormatSpec(_Strict):
+class ResponseFormatSpec(Strict):
     """`response_format`: text, any JSON object, or JSON following a schema, enforced by a llama.cpp
     grammar made here by llama-cpp-python's JSON-schema converter (a schema it refuses is a 400)."""
 
@@ -133,7 +131,7 @@ class ResponseFormatSpec(_Strict):
 _FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class FunctionSpec(_Strict):
+class FunctionSpec(Strict):
     """A function the model may call: its name, what it does, and its arguments' JSON schema."""
 
     name: str = Field(pattern=_FUNCTION_NAME)
@@ -144,7 +142,7 @@ class FunctionSpec(_Strict):
     strict: bool | None = None
 
 
-class ToolSpec(_Strict):
+class ToolSpec(Strict):
     """`tools[i]`: function tools only (OpenAI's `custom` tools have no JSON arguments to constrain)."""
 
     type: str
@@ -158,24 +156,24 @@ class ToolSpec(_Strict):
         return value
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     """`{"type": "function", "function": {"name": ...}}`: this tool, and no text."""
 
     type: Literal["function"]
     function: NamedFunction
 
 
-class CalledFunction(_Strict):
+class CalledFunction(Strict):
     name: str
     #: The arguments as the JSON text the server returned: re-rendered as they were generated.
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     """An assistant message's `tool_calls[i]`, as a response gave it."""
 
     id: str
@@ -183,7 +181,7 @@ class ToolCall(_Strict):
     function: CalledFunction
 
 
-class _GenerationFields(_Strict):
+class _GenerationFields(Strict):
     """Fields both endpoints share."""
 
     model: str | None = None
@@ -285,7 +283,7 @@ class CompletionRequest(_GenerationFields):
     @field_validator("suffix", "best_of", mode="before")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
-        _refuse_unless_inert(value, info)
+        refuse_unless_inert(value, info)
         return None
 
     @field_validator("prompt", mode="before")
@@ -312,8 +310,9 @@ class CompletionRequest(_GenerationFields):
         return self.logprobs
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+class ChatMessage(Strict):
+    #: "function": the legacy form of a tool result, named by its function (`name`).
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     #: A string, or a list of `{"type": "text", "text": ...}` parts (joined with newlines).
     content: str | None = None
     name: str | None = None
@@ -321,16 +320,17 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
     #: An assistant message's calls, as a response returned them.
     tool_calls: list[ToolCall] | None = None
-    #: Accepted only empty (null): a legacy function call, a refusal or audio cannot be replayed here.
-    function_call: Any = None
+    #: The legacy form of one call (`functions`); the request turns it into `tool_calls`.
+    function_call: CalledFunction | None = None
+    #: Accepted only empty (null): a refusal or audio cannot be replayed here.
     refusal: Any = None
     audio: Any = None
     annotations: Any = None
 
-    @field_validator("function_call", "refusal", "audio", "annotations", mode="before")
+    @field_validator("refusal", "audio", "annotations", mode="before")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
-        _refuse_unless_inert(value, info)
+        refuse_unless_inert(value, info)
         return None
 
     @field_validator("content", mode="before")
@@ -429,9 +429,13 @@ class ChatCompletionRequest(_GenerationFields):
     #: Text is what this server produces; any other modality is refused.
     modalities: list[Literal["text"]] | None = None
 
+    #: The legacy form of `tools` and `tool_choice` (one call at most); the response answers in
+    #: kind, with `message.function_call` and finish_reason `function_call`.
+    functions: list[FunctionSpec] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    _legacy: bool = PrivateAttr(default=False)
+
     # Not supported; accepted only with a value that asks for nothing.
-    functions: Any = None
-    function_call: Any = None
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
@@ -439,15 +443,65 @@ class ChatCompletionRequest(_GenerationFields):
     verbosity: Any = None
     moderation: Any = None
 
-    @field_validator("functions", "function_call", "audio", "prediction",
-                     "web_search_options", "reasoning_effort", "verbosity", "moderation", mode="before")
+    @field_validator("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity", "moderation",
+                     mode="before")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
-        _refuse_unless_inert(value, info)
+        refuse_unless_inert(value, info)
         return None
 
+    @field_validator("function_call")
+    @classmethod
+    def _function_among_functions(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = {f.name for f in info.data.get("functions") or ()}
+        if isinstance(choice, NamedFunction) and choice.name not in names:
+            raise ValueError(f"the function {choice.name!r} is not among 'functions'")
+        return choice
 
-class CacheQuery(_Strict):
+    @model_validator(mode="after")
+    def _legacy_functions_as_tools(self) -> ChatCompletionRequest:
+        """`functions`, `function_call` and `role: "function"` messages as the tools they stand for."""
+        legacy_history = any(m.function_call is not None or m.role == "function" for m in self.messages)
+        if not self.functions and self.function_call is None and not legacy_history:
+            return self
+        if self.tools or self.tool_choice is not None:
+            raise ValueError("give either tools and tool_choice or the legacy functions and function_call")
+        choice = self.function_call
+        self.tools = [ToolSpec(type="function", function=f) for f in self.functions or ()] or None
+        if isinstance(choice, NamedFunction):
+            self.tool_choice = NamedToolChoice(type="function", function=choice)
+        else:
+            self.tool_choice = choice
+        self.messages = _legacy_history(self.messages)
+        self._legacy = True
+        return self
+
+    @property
+    def legacy_functions(self) -> bool:
+        """The request spoke of `functions`: the response speaks of `function_call`."""
+        return self._legacy
+
+
+def _legacy_history(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """Legacy calls and results as tool calls and tool messages: a call gets the id `call_<k>` of
+    its message's index, and a result answers the last call made (the legacy form has one at a time)."""
+    out: list[ChatMessage] = []
+    last_call: str | None = None
+    for k, message in enumerate(messages):
+        if message.function_call is not None:
+            last_call = f"call_{k}"
+            call = ToolCall(id=last_call, type="function", function=message.function_call)
+            message = message.model_copy(update={"function_call": None, "tool_calls": [call]})
+        elif message.role == "function":
+            if last_call is None:
+                raise ValueError(f"messages[{k}] is a function result, but no earlier assistant message "
+                                 "called a function")
+            message = message.model_copy(update={"role": "tool", "tool_call_id": last_call, "name": None})
+        out.append(message)
+    return out
+
+
+class CacheQuery(Strict):
     """POST /v1/cache/explain and /v1/cache/unpin: a prompt as a request would send it, not run."""
 
     model: str | None = None

@@ -18,7 +18,7 @@ import uvicorn
 from skippy_cache.config import MIN_CTX_FOR_CELL_CAP
 from skippy_cache.runtime import Engine, EngineInfo, StartupError
 from skippy_cache.server.app import create_app
-from skippy_cache.server.chat import ChatTemplate
+from skippy_cache.server.chat import ChatFormatter
 from skippy_cache.server.settings import ServerSettings
 
 log = logging.getLogger("skippy_cache.server")
@@ -60,9 +60,9 @@ def weights_line(info: EngineInfo) -> str:
     return f"{buffers} ({reason}; {weights.check})"
 
 
-def startup_report(engine: Engine, settings: ServerSettings, chat_template: ChatTemplate) -> str:
-    """The one block logged at start: model, the chat template the app renders with, pool, derived
-    cache budgets."""
+def startup_report(engine: Engine, settings: ServerSettings, chat: ChatFormatter) -> str:
+    """The one block logged at start: model, the chat template the app renders with and what it
+    renders, pool, derived cache budgets."""
     info = engine.info
     model, budgets, policy = info.model, info.budgets, info.policy
     token_cap = f"{budgets.max_resident_tokens} tokens" if budgets.max_resident_tokens else "none"
@@ -78,7 +78,8 @@ def startup_report(engine: Engine, settings: ServerSettings, chat_template: Chat
         "skippy-cache server",
         f"  model     {model.path}",
         f"            {info.description}, architecture {model.architecture}, id {model.model_id}",
-        f"            digest {model.digest}, chat template: {chat_template.origin}",
+        f"            digest {model.digest}, chat template: {chat.template.origin}",
+        f"            ({chat.caps.describe()})",
         f"  weights   {weights_line(info)}",
         f"  pool      n_ctx {info.n_ctx} cells, {info.lanes} lanes, {info.threads} threads, "
         f"n_seq_max {budgets.n_seq_max}, n_batch {info.n_batch}, "
@@ -108,7 +109,7 @@ def serve(settings: ServerSettings) -> int:
     engine = Engine(settings.engine_config())
     try:
         app = create_app(engine, settings, owns_engine=True)
-        log.info("%s", startup_report(engine, settings, app.state.generation.chat.template))
+        log.info("%s", startup_report(engine, settings, app.state.generation.chat))
         if not _is_loopback(settings.host) and not settings.api_key:
             log.warning("listening on %s without --api-key: anyone who can reach it may use it", settings.host)
         config = uvicorn.Config(

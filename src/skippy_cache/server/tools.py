@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from skippy_cache.runtime import literal_json_grammar
 from skippy_cache.server.schemas import ChatMessage, ToolSpec
@@ -57,20 +57,34 @@ def tools_block(tools: Sequence[ToolSpec]) -> str:
     return TOOLS_PREAMBLE + "\n".join(lines) + TOOLS_CALL_FORMAT
 
 
-def render_messages(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]) -> list[ChatMessage]:
-    """The messages as the chat template gets them: the tools block in the system message, past
-    calls in their assistant message's text, results as user turns."""
+def render_messages(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec],
+                    recall: Callable[[str], str | None] = lambda _call_id: None,
+                    *, native: bool = False) -> list[ChatMessage]:
+    """The messages as the chat template gets them. With `native` (a template that renders tools,
+    calls and results itself, in this syntax), as they are; otherwise the tools block goes into
+    the system message, past calls into their assistant message's text, results into user turns.
+
+    Either way `recall` gives the text of the reply a call id was returned in, if the server
+    remembers it (server/replies.py): a message that says what that reply said is rendered as
+    that very text, spacing and all, whatever JSON spacing the client used for its arguments."""
     out: list[ChatMessage] = []
     for message in messages:
         if message.tool_calls:
-            calls = BETWEEN.join(call_text(c.function.name, c.function.arguments) for c in message.tool_calls)
-            text = f"{message.content}{BETWEEN}{calls}" if message.content else calls
+            text = _replayed(message, recall(message.tool_calls[0].id))
+            if text is None and native:
+                out.append(message)
+                continue
+            if text is None:
+                calls = BETWEEN.join(call_text(c.function.name, c.function.arguments) for c in message.tool_calls)
+                text = f"{message.content}{BETWEEN}{calls}" if message.content else calls
             message = message.model_copy(update={"content": text, "tool_calls": None})
+        elif native:
+            pass
         elif message.role == "tool":
             text = f"<tool_response>\n{message.content or ''}\n</tool_response>"
             message = message.model_copy(update={"role": "user", "content": text, "tool_call_id": None})
         out.append(message)
-    if tools:
+    if tools and not native:
         block = tools_block(tools)
         if out[0].role in ("system", "developer"):
             first = out[0]
@@ -78,6 +92,24 @@ def render_messages(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]) 
         else:
             out.insert(0, ChatMessage(role="system", content=block))
     return out
+
+
+def _replayed(message: ChatMessage, reply: str | None) -> str | None:
+    """`reply` if it holds what `message` says (its text, and the same calls with equal arguments)."""
+    if reply is None:
+        return None
+    calls = message.tool_calls or []
+    text, parsed = split_reply(reply, {c.function.name for c in calls})
+    if text.strip() != (message.content or "").strip() or len(parsed) != len(calls):
+        return None
+    for said, made in zip(calls, parsed, strict=True):
+        try:
+            same = said.function.name == made.name and json.loads(said.function.arguments) == json.loads(made.arguments)
+        except json.JSONDecodeError:
+            return None
+        if not same:
+            return None
+    return reply
 
 
 def call_grammar(tools: Sequence[ToolSpec], mode: str, parallel: bool) -> str | None:
@@ -100,7 +132,7 @@ class Call:
     arguments: str
 
 
-def _parse_block(body: str, names: set[str]) -> Call | None:
+def _parse_block(body: str, names: set[str], id_prefix: str) -> Call | None:
     """One `<tool_call>` block's call, or None where it is not a call of a known tool."""
     try:
         data = json.loads(body)
@@ -113,15 +145,25 @@ def _parse_block(body: str, names: set[str]) -> Call | None:
         arguments = body[len(head):-1]  # as generated, so the next turn re-renders these very tokens
     else:
         arguments = json.dumps(data["arguments"], ensure_ascii=False)
-    return Call(f"call_{uuid.uuid4().hex[:24]}", data["name"], arguments)
+    return Call(f"{id_prefix}{uuid.uuid4().hex[:24]}", data["name"], arguments)
 
 
 @dataclass
 class Delta:
-    """What a stream sends next: text, or one whole call."""
+    """What a stream sends next: text; a call's start (`call`, its id and name, arguments to
+    follow); a fragment of the started call's arguments; or the end of that call (`done`, the
+    whole call). The fragments of a call concatenate to its `arguments`."""
 
     text: str = ""
     call: Call | None = None
+    arguments: str = ""
+    done: Call | None = None
+
+
+#: After a call's opening tag: `{"name": "<name>", "arguments": ` as the grammar writes it.
+_HEAD = re.compile(r'\s*\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+#: What may follow a call's arguments: the object's closing brace, then the closing tag.
+_TAIL = re.compile(r"\}\s*$")
 
 
 @dataclass
@@ -131,14 +173,27 @@ class CallSplitter:
     Text that might begin a `<tool_call>` tag is held until it is known; whitespace next to a
     call is dropped. A block that does not parse as a call of a known tool stays text, never an
     error. The non-streamed response runs the same splitter over the whole reply, so the two agree.
+
+    With `incremental`, a call is sent as it is generated: its start once its name is known,
+    then its arguments piece by piece. Only for a reply a grammar holds to the call syntax
+    (tool_choice required or named): a call already started cannot turn back into text. A call
+    cut short (max_tokens) then stays a call with the arguments it got, streamed or not.
     """
 
     names: set[str]
+    #: How the calls' ids start (`call_` for OpenAI, `toolu_` for Anthropic).
+    id_prefix: str = "call_"
+    incremental: bool = False
     _buffer: str = ""
     _held: str = ""
     _in_call: bool = False
     _after_call: bool = False
     _before_call: str = ""
+    #: Incremental: the call being streamed, where its arguments start in the block, and how
+    #: many of their characters were sent.
+    _open: Call | None = None
+    _args_at: int = 0
+    _sent: int = 0
     calls: list[Call] = field(default_factory=list)
 
     def feed(self, text: str) -> list[Delta]:
@@ -147,21 +202,26 @@ class CallSplitter:
         while True:
             if self._in_call:
                 end = self._buffer.find(_CLOSE_TAG)
+                if self.incremental:
+                    out += self._stream_call(self._buffer if end < 0 else self._buffer[:end], final=end >= 0)
                 if end < 0:
                     return out
                 block = self._buffer[: end + len(_CLOSE_TAG)]
                 self._buffer = self._buffer[end + len(_CLOSE_TAG):]
                 self._in_call = False
-                match = _BLOCK.fullmatch(block)
-                call = _parse_block(match.group(1), self.names) if match else None
                 before, self._before_call = self._before_call, ""
+                if self._open is not None:
+                    out.append(self._close_call())
+                    continue
+                match = _BLOCK.fullmatch(block)
+                call = _parse_block(match.group(1), self.names, self.id_prefix) if match else None
                 if call is None:
                     self._held = before
                     out += self._text(block, hold_trailing=True)
                 else:
                     self._after_call = True
                     self.calls.append(call)
-                    out.append(Delta(call=call))
+                    out += [Delta(call=call), Delta(arguments=call.arguments), Delta(done=call)]
                 continue
             start = self._buffer.find(_OPEN_TAG)
             if start >= 0:
@@ -178,10 +238,55 @@ class CallSplitter:
             return out + self._text(ready, hold_trailing=True)
 
     def finish(self) -> list[Delta]:
-        """The end of the reply: an unfinished block, or held text, is text."""
+        """The end of the reply: an unfinished block, or held text, is text (an unfinished call
+        already streamed stays a call)."""
+        if self._open is not None:
+            out = self._stream_call(self._buffer, final=True)
+            self._buffer, self._in_call, self._before_call = "", False, ""
+            return [*out, self._close_call()]
         rest, self._buffer, self._in_call = self._buffer, "", False
         self._held, self._before_call = self._before_call + self._held, ""
         return self._text(rest)
+
+    def _stream_call(self, block: str, *, final: bool) -> list[Delta]:
+        """The started call's arguments so far in `block` (from its opening tag, without the
+        closing one); its start first, once the name is there. Held back: what may yet turn
+        out to be the closing brace and whitespace; with `final`, the arguments end there."""
+        out: list[Delta] = []
+        if self._open is None:
+            head = _HEAD.match(block, len(_OPEN_TAG))
+            if head is None:
+                return out
+            try:
+                name = json.loads(head.group(1))
+            except json.JSONDecodeError:
+                return out
+            if name not in self.names:
+                return out
+            self._open = Call(f"{self.id_prefix}{uuid.uuid4().hex[:24]}", name, "")
+            self._args_at, self._sent = head.end(), 0
+            out.append(Delta(call=self._open))
+        region = block[self._args_at:]
+        tail = _TAIL.search(region)
+        if final:
+            ready = region[: tail.start()] if tail else region
+        else:
+            # From the last brace on, what may be the object's end and the start of the closing
+            # tag is held: it may not be the arguments' content.
+            last = region.rfind("}")
+            ready = region if last < 0 or not _CLOSE_TAG.startswith(region[last + 1:].lstrip()) else region[:last]
+        if len(ready) > self._sent:
+            out.append(Delta(arguments=ready[self._sent:]))
+            self._open = replace(self._open, arguments=ready)
+            self._sent = len(ready)
+        return out
+
+    def _close_call(self) -> Delta:
+        assert self._open is not None
+        call, self._open = self._open, None
+        self.calls.append(call)
+        self._after_call = True
+        return Delta(done=call)
 
     def _text(self, text: str, hold_trailing: bool = False) -> list[Delta]:
         """Text to send, but for whitespace right after a call (dropped) and, with
@@ -195,8 +300,9 @@ class CallSplitter:
         return [Delta(text=body)] if body else []
 
 
-def split_reply(text: str, names: set[str]) -> tuple[str, list[Call]]:
-    """A whole reply's text (what is not a call) and its calls."""
-    splitter = CallSplitter(names)
+def split_reply(text: str, names: set[str], id_prefix: str = "call_",
+                incremental: bool = False) -> tuple[str, list[Call]]:
+    """A whole reply's text (what is not a call) and its calls, as `CallSplitter` streams them."""
+    splitter = CallSplitter(names, id_prefix, incremental)
     deltas = splitter.feed(text) + splitter.finish()
     return "".join(d.text for d in deltas), splitter.calls

@@ -1,0 +1,121 @@
+"""Chat messages to prompt tokens, and where the earlier replies and the system message sit in them.
+
+The prompt is tokenized in pieces cut where each earlier assistant reply
+starts and ends: the text before a reply is what the prompt that generated it
+rendered, so a turn's tokens up to a reply are that turn's own prompt tokens,
+whatever the tokenizer would merge across the cut; and the reply itself is the
+tokens it was sampled as when the server still remembers them
+(server/replies.py), so the cached entry of the last turn matches through
+its reply, not up to the first token the model spelt otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from skippy_cache.radix import shared_length
+from skippy_cache.runtime import Engine
+from skippy_cache.server.chat import ChatFormatter, ChatTemplateError
+from skippy_cache.server.errors import APIError
+from skippy_cache.server.replies import ReplyMemory
+from skippy_cache.server.schemas import ChatMessage, ToolSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A request's prompt tokens and what the cache is told about where its messages sit in them."""
+
+    tokens: list[int]
+    #: `GenerationRequest.replies`: earlier assistant replies, as (start, end) positions.
+    replies: tuple[tuple[int, int], ...] = ()
+    #: `GenerationRequest.prefix_ends`: where the system message ends.
+    prefix_ends: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """An earlier reply's place in the prompt text, and its tokens when they are remembered."""
+
+    start: int
+    end: int
+    tokens: tuple[int, ...] | None
+
+
+class PromptBuilder:
+    def __init__(self, engine: Engine, chat: ChatFormatter, memory: ReplyMemory) -> None:
+        self.engine = engine
+        self.chat = chat
+        self.memory = memory
+
+    def build(self, messages: Sequence[ChatMessage], namespace: str | None, *,
+              tools: Sequence[ToolSpec] = (), prefill: str = "") -> Prompt:
+        """The prompt of `messages`, then `prefill` (text the reply must continue from); `tools`
+        are for a template that renders them itself (`ChatFormatter.caps`).
+
+        A template that refuses the messages is a 400 naming `messages`.
+        """
+        try:
+            text = self.chat.render(messages, tools)
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+        cuts = self._cuts(messages, tools, text, namespace)
+        tokens: list[int] = []
+        replies = []
+        at = 0
+        add_special = not self.chat.starts_with_bos(text)  # a template may emit BOS itself
+        for cut in cuts:
+            tokens += self._tokenize(text[at:cut.start], add_special)
+            add_special = False
+            start = len(tokens)
+            tokens += cut.tokens if cut.tokens is not None else self._tokenize(text[cut.start:cut.end], False)
+            replies.append((start, len(tokens)))
+            at = cut.end
+        tokens += self._tokenize(text[at:] + prefill, add_special)
+        if not self.engine.info.deterministic:
+            # Fast mode's kernels do not depend on the replies: only the last one is named,
+            # as the partial chunk a lookup by name may end on.
+            replies = replies[-1:]
+        return Prompt(tokens, tuple(replies), self._system_end(messages, tools, tokens))
+
+    def _cuts(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec], text: str,
+              namespace: str | None) -> list[_Cut]:
+        """Where each earlier reply sits in `text`: right after the rendered prompt that generated it.
+
+        A reply is cut only where the template renders the history before it as
+        that earlier prompt did (some templates drop or rewrite older turns).
+        """
+        cuts: list[_Cut] = []
+        for k in range(1, len(messages)):
+            content = messages[k].content
+            if messages[k].role != "assistant" or not content:
+                continue
+            try:
+                before = self.chat.render(messages[:k], tools)
+            except ChatTemplateError:
+                continue  # a template may refuse a history cut there: the reply is then not marked
+            start = len(before)
+            if not text.startswith(before) or not text.startswith(content, start):
+                continue
+            if cuts and start < cuts[-1].end:
+                continue
+            remembered = self.memory.by_text(namespace, content)
+            cuts.append(_Cut(start, start + len(content), remembered.tokens if remembered else None))
+        return cuts
+
+    def _system_end(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec],
+                    tokens: list[int]) -> tuple[int, ...]:
+        """Where the prompt stops being the system message's alone: as far as it agrees with the
+        system message rendered on its own (empty: no system message, or nothing after it)."""
+        if len(messages) < 2 or messages[0].role not in ("system", "developer"):
+            return ()
+        try:
+            text = self.chat.render(messages[:1], tools)
+        except ChatTemplateError:
+            return ()  # a template may refuse a system message alone: nothing is marked
+        alone = self._tokenize(text, not self.chat.starts_with_bos(text))
+        end = shared_length(alone, tokens)
+        return (end,) if 0 < end < len(tokens) else ()
+
+    def _tokenize(self, text: str, add_special: bool) -> list[int]:
+        return self.engine.tokenize(text, add_special=add_special) if text else []
