@@ -29,14 +29,16 @@ RESULTS = ROOT / results.DEFAULT_RESULTS_DIR
 
 
 @functools.cache
-def _latest_peer_run() -> tuple[Path, dict, list[Path]]:
+def _latest_peer_run(workload: str = "chat") -> tuple[Path, dict, list[Path]]:
+    """The newest run of `workload` against a peer; the other summaries (the agent runs' list leaves
+    out the default runs, and the other way round, apart from the newest of each)."""
     summaries = results.load_summaries(RESULTS)
-    found = results.latest_against_peers(summaries)
+    found = results.latest_against_peers(summaries, workload)
     if found is None:
-        raise SystemExit(f"no summary of a run against a peer server in {RESULTS}: "
-                         "run skippy-cache bench --peer ...")
+        raise SystemExit(f"no summary of a {workload} run against a peer server in {RESULTS}: "
+                         f"run skippy-cache bench --workloads ... --peer ...")
     path, summary = found
-    others = [p for p, _ in summaries if p != path]
+    others = [p for p, s in summaries if p != path and workload in s["config"]["workloads"]]
     return path, summary, others
 
 
@@ -60,11 +62,29 @@ def results_page() -> str:
     return results.results_page(summary, path.relative_to(ROOT), [p.relative_to(ROOT) for p in others])
 
 
+def readme_agents() -> str:
+    path, summary, _ = _latest_peer_run("agent")
+    return "\n".join([
+        results.headline_table(summary),
+        "",
+        results.run_line(summary) + " Ratio = peer / skippy-cache: above 1 means the peer is slower. "
+        "Every figure of the run: [docs/benchmarks/results.md](docs/benchmarks/results.md#agents).",
+    ])
+
+
+def agent_results() -> str:
+    path, summary, others = _latest_peer_run("agent")
+    return results.results_page(summary, path.relative_to(ROOT), [p.relative_to(ROOT) for p in others],
+                                level=3)
+
+
 #: (file, part name) -> renderer.
 PARTS: dict[tuple[str, str], Callable[[], str]] = {
     ("README.md", "glance"): readme_glance,
     ("README.md", "figures"): readme_figures,
+    ("README.md", "agents"): readme_agents,
     ("docs/benchmarks/results.md", "results"): results_page,
+    ("docs/benchmarks/results.md", "agents"): agent_results,
     ("docs/serving/settings.md", "settings"): options_markdown,
 }
 

@@ -165,3 +165,15 @@ def test_bad_input_is_a_400_in_anthropics_shape(server: LiveServer, change: dict
     assert words in answer["error"]["message"], answer
     with pytest.raises(anthropic.BadRequestError):
         client(server).messages.create(**body)
+
+
+def test_a_final_assistant_message_is_continued(exact_server: LiveServer) -> None:
+    prefill = "The weather in Paris is"
+    message = ask(exact_server, tools=[], max_tokens=12,
+                  messages=[*MESSAGES, {"role": "assistant", "content": prefill}])
+    # The same prompt as text: SmolLM2's template, then the prefill the reply continues.
+    prompt = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{MESSAGES[0]['content']}<|im_end|>\n"
+              f"<|im_start|>assistant\n{prefill}")
+    completion = exact_server.openai().completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
+    assert message.content[0].text == completion.choices[0].text
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == completion.usage.prompt_tokens

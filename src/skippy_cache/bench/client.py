@@ -221,7 +221,12 @@ class _StreamState:
 
 class _MessagesState(_StreamState):
     """What the events of one Messages stream said so far: text and tool_use blocks as output,
-    usage from `message_delta` (cached: `cache_read_input_tokens`), the end at `message_stop`."""
+    usage from `message_start` and `message_delta` (cached: `cache_read_input_tokens`), the end
+    at `message_stop`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.anthropic_usage: dict[str, Any] = {}
 
     def feed(self, event: dict[str, Any], start: float) -> None:
         now_ms = (time.perf_counter() - start) * 1000
@@ -244,9 +249,14 @@ class _MessagesState(_StreamState):
                 if call is not None:
                     call["arguments"] += delta.get("partial_json") or ""
                 self.output(now_ms)
-        elif kind == "message_delta":
-            self.finish_ms = self.finish_ms or now_ms
-            usage = event.get("usage") or {}
+        elif kind in ("message_start", "message_delta"):
+            # As the anthropic client reads them: message_start's usage, overwritten by what
+            # message_delta's (the final counts) says.
+            usage = (event.get("message") or {}).get("usage") if kind == "message_start" else event.get("usage")
+            self.anthropic_usage.update({k: v for k, v in (usage or {}).items() if v is not None})
+            if kind == "message_delta":
+                self.finish_ms = self.finish_ms or now_ms
+            usage = self.anthropic_usage
             read = usage.get("cache_read_input_tokens") or 0
             prompt = (usage.get("input_tokens") or 0) + read + (usage.get("cache_creation_input_tokens") or 0)
             self.usage = {"prompt_tokens": prompt or None, "completion_tokens": usage.get("output_tokens"),

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from skippy_cache.bench.agent import APIS as AGENT_APIS
 from skippy_cache.bench.targets import PEER_KINDS
 from skippy_cache.runtime.weightprobe import cpu_fields, cpu_flags
 
@@ -113,11 +114,14 @@ def load_summaries(results_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     return sorted(found, key=lambda item: item[1]["created"])
 
 
-def latest_against_peers(summaries: list[tuple[Path, dict[str, Any]]]) -> tuple[Path, dict[str, Any]] | None:
-    """The newest summary of a run that started a peer server (llama-server, llama-cpp-python): the
-    one the README quotes. A `--url` server does not count: it may be anything, fast mode included."""
+def latest_against_peers(summaries: list[tuple[Path, dict[str, Any]]],
+                         workload: str = "chat") -> tuple[Path, dict[str, Any]] | None:
+    """The newest summary of a run of `workload` that started a peer server (llama-server,
+    llama-cpp-python): the one the README quotes for it (the default workloads' runs by "chat",
+    the agent runs by "agent"). A `--url` server does not count: it may be anything, fast mode
+    included."""
     for path, summary in reversed(summaries):
-        if any(t["kind"] in PEER_KINDS for t in summary["targets"]):
+        if workload in summary["config"]["workloads"] and any(t["kind"] in PEER_KINDS for t in summary["targets"]):
             return path, summary
     return None
 
@@ -149,7 +153,7 @@ def headline_table(summary: dict[str, Any]) -> str:
     reference = summary["config"].get("reference") or _REFERENCE_LABEL
     sizes = summary["config"]["sizes"]
     turns = sizes["chat_turns"]
-    # (workload, what the cell says, its figures with their units, how they join, ratios shown).
+    # (workload and what of it, what the cell says, its figures with their units, how they join, ratios shown).
     rows: list[tuple[str, str, list[tuple[str, str]], str, bool]] = [
         *((f"warm {size:,}", "cold TTFT; warm hit (median)",
            [(f"P={size}: cold TTFT", "ms"), (f"P={size}: warm TTFT median", "ms")], "; ", True)
@@ -164,6 +168,12 @@ def headline_table(summary: dict[str, Any]) -> str:
          [(f"turn {t}: TTFT p50", "") for t in range(2, turns + 1)], " / ", False),
         ("chat", "cached share, all turns", [("all turns: cached share", "%")], "", True),
         ("zero", "TTFT p50; req/s", [("TTFT p50", "ms"), ("requests per second", "req/s")], "; ", True),
+        *((f"agent {api}", "step 1 of agents 2+ TTFT p50; steps 2+ TTFT p50; p90",
+           [(f"{api}: step 1, agents 2+: TTFT p50", "ms"), (f"{api}: steps 2+: TTFT p50", "ms"),
+            (f"{api}: steps 2+: TTFT p90", "ms")], "; ", True) for api in AGENT_APIS),
+        *((f"agent {api}", "steps 2+ whole reply p50; cached share, all steps",
+           [(f"{api}: steps 2+: whole reply p50", "ms"), (f"{api}: all steps: cached share", "%")], "; ", True)
+          for api in AGENT_APIS),
     ]
     workloads = set(summary["config"]["workloads"])
     rows = [row for row in rows if row[0].split()[0] in workloads]
@@ -340,17 +350,19 @@ def _short_server_command(command: list[str]) -> str:
     return shlex.join(words)
 
 
-def results_page(summary: dict[str, Any], path: Path, others: list[Path]) -> str:
-    """The docs' results page body for one run (`path`), the other summaries listed by file name."""
+def results_page(summary: dict[str, Any], path: Path, others: list[Path], level: int = 2) -> str:
+    """The docs' results page body for one run (`path`), the other summaries listed by file name;
+    its headings at `level` (3 for a run shown under a heading of its own)."""
+    h = "#" * level
     parts = [run_line(summary), "", f"Source: `{path.as_posix()}`. Ratio = target / skippy-cache "
-             "(below 1: the target is faster on a time, slower on a rate).", "", "## Headline", "",
+             "(below 1: the target is faster on a time, slower on a rate).", "", f"{h} Headline", "",
              headline_table(summary), ""]
     for workload in summary["config"]["workloads"]:
         if any(f["workload"] == workload for f in summary["figures"]):
-            parts += [f"## {workload}", "", figures_table(summary, workload), ""]
+            parts += [f"{h} {workload}", "", figures_table(summary, workload), ""]
     if summary["goals"]:
-        parts += ["## Targets", "", goals_table(summary), ""]
-    parts += ["## Servers", "", targets_list(summary), ""]
+        parts += [f"{h} Targets", "", goals_table(summary), ""]
+    parts += [f"{h} Servers", "", targets_list(summary), ""]
     if others:
-        parts += ["## Other summaries", "", "\n".join(f"- `{p.as_posix()}`" for p in reversed(others)), ""]
+        parts += [f"{h} Other summaries", "", "\n".join(f"- `{p.as_posix()}`" for p in reversed(others)), ""]
     return "\n".join(parts).rstrip() + "\n"

@@ -52,6 +52,10 @@ def _ttfts(ms: list[Measurement]) -> list[float]:
     return [m.ttft_ms for m in ms if m.ok and m.ttft_ms is not None]
 
 
+def _totals(ms: list[Measurement]) -> list[float]:
+    return [m.total_ms for m in ms if m.ok]
+
+
 def _cached_share(ms: list[Measurement]) -> float | None:
     """Cached prompt tokens over prompt tokens, in percent, over requests that report both."""
     pairs = [
@@ -137,6 +141,8 @@ def _agent_rows(ms: list[Measurement], sizes: Sizes) -> list[Row]:
             (f"{api}: step 1, agents 2+: TTFT p50", "ms", "lower", percentile(_ttfts(others), 50)),
             (f"{api}: steps 2+: TTFT p50", "ms", "lower", percentile(_ttfts(later), 50)),
             (f"{api}: steps 2+: TTFT p90", "ms", "lower", percentile(_ttfts(later), 90)),
+            # What an agent waits for: it can act once the whole call is in.
+            (f"{api}: steps 2+: whole reply p50", "ms", "lower", percentile(_totals(later), 50)),
         ]
         for step in range(2, sizes.agent_steps + 1):
             ttfts = _ttfts(_group(ms, f"{api} step {step}"))

@@ -15,7 +15,6 @@ llama-server does, so an agent's steps share their whole system prompt.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import uuid
@@ -24,12 +23,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from skippy_cache.runtime import DoneEvent, FinishReason, RequestStats, SamplingParams, TokenEvent, json_grammar
-from skippy_cache.server.bridge import EngineRuns, cancel_on_disconnect
+from skippy_cache.runtime import (
+    DoneEvent,
+    FinishReason,
+    RequestStats,
+    SamplingParams,
+    TokenEvent,
+    json_grammar,
+)
+from skippy_cache.server.bridge import EngineRuns
 from skippy_cache.server.errors import APIError, anthropic_error_body
-from skippy_cache.server.generation import SSE_HEADERS, Generation, collect, parse_body
+from skippy_cache.server.generation import Generation, parse_body
 from skippy_cache.server.jobs import ChatJob
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (
@@ -366,14 +372,19 @@ def stop_reason(done: DoneEvent, called: bool) -> tuple[str, str | None]:
 class MessageFormat:
     """One Messages response: the whole message, or its stream of events."""
 
-    def __init__(self, model: str, tool_names: set[str] | None, incremental: bool) -> None:
+    def __init__(self, model: str, tool_names: set[str] | None, incremental: bool, prompt_tokens: int) -> None:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.model = model
         self.tool_names = tool_names
         self.incremental = incremental
+        #: What message_start says the input is, before the cache's share of it is known.
+        self.prompt_tokens = prompt_tokens
         self.calls: list[Call] = []
 
-    def message(self, done: DoneEvent) -> dict:
+    def call_ids(self) -> tuple[str, ...]:
+        return tuple(call.id for call in self.calls)
+
+    def whole(self, done: DoneEvent) -> dict:
         content: list[dict] = []
         text = done.text
         if self.tool_names is not None:
@@ -388,13 +399,13 @@ class MessageFormat:
     def _head(self, content: list[dict]) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content}
 
-    async def stream(self, runs: EngineRuns, prompt_tokens: int) -> AsyncIterator[str]:
+    async def events(self, runs: EngineRuns) -> AsyncIterator[str]:
         """message_start, a ping, each content block's start / deltas / stop, message_delta, message_stop."""
         splitter = CallSplitter(self.tool_names or set(), "toolu_", self.incremental)
         blocks = _Blocks()
         start = {**self._head([]), "stop_reason": None, "stop_sequence": None,
                  # Known at the end (message_delta): how much of the prompt the cache served.
-                 "usage": {"input_tokens": prompt_tokens, "cache_creation_input_tokens": 0,
+                 "usage": {"input_tokens": self.prompt_tokens, "cache_creation_input_tokens": 0,
                            "cache_read_input_tokens": 0, "output_tokens": 0}}
         yield _sse("message_start", {"type": "message_start", "message": start})
         yield _sse("ping", {"type": "ping"})
@@ -479,28 +490,9 @@ class MessagesAPI:
         body = await parse_body(request, GenerateRequest)
         self.generation.models.check(body.model)
         job = to_job(body)
-        runs, prompt = await self.generation.start_chat(job)
-        fmt = MessageFormat(self.generation.model_id, job.tool_names, job.constrained)
-        watcher = asyncio.create_task(cancel_on_disconnect(request, runs))
-        if body.stream:
-            return StreamingResponse(self._stream(fmt, runs, prompt, job, watcher),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        choices = await collect(request, runs, watcher)
-        answer = fmt.message(choices[0].done)
-        self.generation.remember(job, choices[0].done, tuple(c.id for c in fmt.calls))
-        return JSONResponse(answer)
-
-    async def _stream(self, fmt: MessageFormat, runs: EngineRuns, prompt_tokens: int, job: ChatJob,
-                      watcher: asyncio.Task[None]) -> AsyncIterator[str]:
-        try:
-            async for text in fmt.stream(runs, prompt_tokens):
-                yield text
-            done = runs.runs[0].done
-            if done is not None:
-                self.generation.remember(job, done, tuple(c.id for c in fmt.calls))
-        finally:
-            watcher.cancel()
-            runs.cancel()
+        runs, prompt_tokens = await self.generation.start_chat(job)
+        fmt = MessageFormat(self.generation.model_id, job.tool_names, job.constrained, prompt_tokens)
+        return await self.generation.respond_one(request, runs, job, fmt, body.stream)
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's size as /v1/messages would render it (tools, system and history)."""

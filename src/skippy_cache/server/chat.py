@@ -209,7 +209,7 @@ class ChatFormatter:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except Exception as exc:  # noqa: BLE001 - a template is a program: any failure of it is its refusal
+        except Exception as exc:  # a template is a program: any failure of it is its refusal
             raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from exc
 
     def _probe(self) -> TemplateCaps:

@@ -1,5 +1,6 @@
 """POST /v1/completions and /v1/chat/completions: body -> tokens -> engine -> response or SSE stream;
-and the prompts of /v1/cache/explain and /v1/cache/unpin, tokenized the same way."""
+the chat path the Messages and Responses APIs take too (`Generation.start_chat`); and the prompts
+of /v1/cache/explain and /v1/cache/unpin, tokenized the same way."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -28,14 +29,19 @@ from skippy_cache.runtime import (
 from skippy_cache.server.bridge import EngineRun, EngineRuns, cancel_on_disconnect
 from skippy_cache.server.chat import ChatFormatter
 from skippy_cache.server.errors import APIError, error_body, from_engine_error, from_validation_errors
+from skippy_cache.server.jobs import ChatJob, Job
 from skippy_cache.server.limits import RequestLimits
 from skippy_cache.server.metrics import ServerMetrics
 from skippy_cache.server.modelnames import ModelNames
-from skippy_cache.server.jobs import ChatJob, Job
 from skippy_cache.server.prompts import Prompt, PromptBuilder
 from skippy_cache.server.replies import Reply, ReplyMemory
-from skippy_cache.server.responses import ChatFormat, Choice, CompletionFormat, ResponseFormat
-from skippy_cache.server.responses import explanation_answer
+from skippy_cache.server.responses import (
+    ChatFormat,
+    Choice,
+    CompletionFormat,
+    ResponseFormat,
+    explanation_answer,
+)
 from skippy_cache.server.schemas import (
     CacheQuery,
     ChatCompletionRequest,
@@ -225,6 +231,41 @@ class Generation:
             for choice in choices:
                 self.remember(job, choice.done, fmt.call_ids(choice.index))
         return JSONResponse(answer)
+
+    async def respond_one(self, request: Request, runs: EngineRuns, job: ChatJob, fmt: OneReplyFormat,
+                          stream: bool) -> Response:
+        """A one-reply API's answer, whole or streamed; the reply is remembered either way (replies.py)."""
+        watcher = asyncio.create_task(cancel_on_disconnect(request, runs))
+        if stream:
+            return StreamingResponse(self._one_stream(runs, job, fmt, watcher), media_type="text/event-stream",
+                                     headers=SSE_HEADERS)
+        done = (await collect(request, runs, watcher))[0].done
+        answer = fmt.whole(done)
+        self.remember(job, done, fmt.call_ids())
+        return JSONResponse(answer)
+
+    async def _one_stream(self, runs: EngineRuns, job: ChatJob, fmt: OneReplyFormat,
+                          watcher: asyncio.Task[None]) -> AsyncIterator[str]:
+        # However the stream ends, the engine requests are cancelled (a no-op once they finished).
+        try:
+            async for text in fmt.events(runs):
+                yield text
+            done = runs.runs[0].done
+            if done is not None:
+                self.remember(job, done, fmt.call_ids())
+        finally:
+            watcher.cancel()
+            runs.cancel()
+
+
+class OneReplyFormat(Protocol):
+    """The response of an API with one reply per request (Messages, Responses): whole, or as events."""
+
+    def whole(self, done: DoneEvent) -> dict: ...
+
+    def events(self, runs: EngineRuns) -> AsyncIterator[str]: ...
+
+    def call_ids(self) -> tuple[str, ...]: ...
 
 
 def _job_fields(body: CompletionRequest | ChatCompletionRequest) -> dict:

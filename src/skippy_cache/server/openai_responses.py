@@ -11,7 +11,6 @@ the history a stored response would stand for is reused from the cache.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -20,12 +19,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
-from skippy_cache.runtime import DoneEvent, FinishReason, RequestStats, SamplingParams, TokenEvent, json_grammar
-from skippy_cache.server.bridge import EngineRuns, cancel_on_disconnect
+from skippy_cache.runtime import (
+    DoneEvent,
+    FinishReason,
+    RequestStats,
+    SamplingParams,
+    TokenEvent,
+    json_grammar,
+)
+from skippy_cache.server.bridge import EngineRuns
 from skippy_cache.server.errors import APIError, error_body
-from skippy_cache.server.generation import SSE_HEADERS, Generation, collect, parse_body
+from skippy_cache.server.generation import Generation, parse_body
 from skippy_cache.server.jobs import ChatJob
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (
@@ -36,6 +42,7 @@ from skippy_cache.server.schemas import (
     Strict,
     ToolCall,
     ToolSpec,
+    function_type_only,
     refuse_unless_inert,
 )
 from skippy_cache.server.tools import Call, CallSplitter, Delta, split_reply
@@ -120,21 +127,16 @@ InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | 
                       Field(discriminator="type")]
 
 
-class FunctionTool(Strict):
-    """`tools[i]`: a function. Other types (web search, file search, custom, MCP, ...) are refused by type."""
-
+class _FunctionTyped(Strict):
     type: str
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _function_only(cls, value: str) -> str:
-        if value != "function":
-            raise ValueError(f"tool type {value!r} is not supported (only 'function')")
-        return value
+    _function_only = field_validator("type")(function_type_only)
+
+
+class FunctionTool(FunctionSpec, _FunctionTyped):
+    """`tools[i]`: a function, its fields beside `type` rather than under `function`. Other types
+    (web search, file search, custom, MCP, ...) are refused by type, which is checked first (a
+    web_search tool has no name: its type is what to report)."""
 
 
 class NamedFunction(Strict):
@@ -302,8 +304,7 @@ def to_job(body: ResponsesRequest) -> ChatJob:
         top_p=1.0 if body.top_p is None else body.top_p,
         grammar=body.text.grammar if body.text is not None else None,
     )
-    tools = [ToolSpec(type="function", function=FunctionSpec(name=t.name, description=t.description,
-                                                             parameters=t.parameters, strict=t.strict))
+    tools = [ToolSpec(type="function", function=FunctionSpec.model_validate(t.model_dump(exclude={"type"})))
              for t in body.tools or ()]
     return ChatJob(sampling=sampling, max_tokens=body.max_output_tokens, namespace=body.cache_salt,
                    lookup=body.cache.lookup, record=body.cache.store, pin=body.pin, messages=messages,
@@ -340,7 +341,10 @@ class ResponseFormat:
         self.calls: list[Call] = []
         self._sequence = 0
 
-    def response(self, done: DoneEvent) -> dict:
+    def call_ids(self) -> tuple[str, ...]:
+        return tuple(call.id for call in self.calls)
+
+    def whole(self, done: DoneEvent) -> dict:
         text = done.text
         if self.tool_names is not None:
             text, self.calls = split_reply(done.text, self.tool_names, incremental=self.incremental)
@@ -374,7 +378,7 @@ class ResponseFormat:
             out["skippy_cache"] = cache_answer(done.stats)
         return out
 
-    async def stream(self, runs: EngineRuns) -> AsyncIterator[str]:
+    async def events(self, runs: EngineRuns) -> AsyncIterator[str]:
         """response.created and .in_progress; per output item its added / deltas / done events;
         then response.completed (or .incomplete at max_output_tokens)."""
         splitter = CallSplitter(self.tool_names or set(), incremental=self.incremental)
@@ -513,23 +517,4 @@ class ResponsesAPI:
         job = to_job(body)
         runs, _ = await self.generation.start_chat(job)
         fmt = ResponseFormat(self.generation.model_id, body, job.tool_names, job.constrained)
-        watcher = asyncio.create_task(cancel_on_disconnect(request, runs))
-        if body.stream:
-            return StreamingResponse(self._stream(fmt, runs, job, watcher), media_type="text/event-stream",
-                                     headers=SSE_HEADERS)
-        choices = await collect(request, runs, watcher)
-        answer = fmt.response(choices[0].done)
-        self.generation.remember(job, choices[0].done, tuple(c.id for c in fmt.calls))
-        return JSONResponse(answer)
-
-    async def _stream(self, fmt: ResponseFormat, runs: EngineRuns, job: ChatJob,
-                      watcher: asyncio.Task[None]) -> AsyncIterator[str]:
-        try:
-            async for text in fmt.stream(runs):
-                yield text
-            done = runs.runs[0].done
-            if done is not None:
-                self.generation.remember(job, done, tuple(c.id for c in fmt.calls))
-        finally:
-            watcher.cancel()
-            runs.cancel()
+        return await self.generation.respond_one(request, runs, job, fmt, body.stream)

@@ -23,7 +23,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from skippy_cache.runtime import MAX_TOP_LOGPROBS, SamplingParams, json_grammar
@@ -142,18 +150,21 @@ class FunctionSpec(Strict):
     strict: bool | None = None
 
 
+def function_type_only(value: str) -> str:
+    """A tool's `type`: function tools only (OpenAI's `custom` tools have no JSON arguments to
+    constrain; web search and the like run on OpenAI's side)."""
+    if value != "function":
+        raise ValueError(f"tool type {value!r} is not supported (only 'function')")
+    return value
+
+
 class ToolSpec(Strict):
-    """`tools[i]`: function tools only (OpenAI's `custom` tools have no JSON arguments to constrain)."""
+    """`tools[i]` of a chat completion."""
 
     type: str
     function: FunctionSpec
 
-    @field_validator("type")
-    @classmethod
-    def _function_only(cls, value: str) -> str:
-        if value != "function":
-            raise ValueError(f"tool type {value!r} is not supported (only 'function')")
-        return value
+    _function_only = field_validator("type")(function_type_only)
 
 
 class NamedFunction(Strict):

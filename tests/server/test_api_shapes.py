@@ -1,0 +1,84 @@
+"""The Messages and Responses bodies as chat jobs (server/anthropic.py, server/openai_responses.py),
+with no model: one internal shape whichever API a request came through."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from skippy_cache.server.anthropic import GenerateRequest, rewrite_billing_line
+from skippy_cache.server.anthropic import to_job as messages_job
+from skippy_cache.server.errors import APIError
+from skippy_cache.server.openai_responses import ResponsesRequest
+from skippy_cache.server.openai_responses import to_job as responses_job
+
+TOOL = {"name": "add", "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+
+
+def test_the_billing_lines_checksum_is_made_constant_and_nothing_else_changes() -> None:
+    line = "x-anthropic-billing-header: cc_version=2.1.3; cc_entrypoint=cli; cch=5a1f3;"
+    assert rewrite_billing_line(line) == "x-anthropic-billing-header: cc_version=2.1.3; cc_entrypoint=cli; cch=fffff;"
+    assert rewrite_billing_line(line + "\nYou are Claude Code. cch=12345;").endswith("cch=12345;")
+    assert rewrite_billing_line("You are helpful. cch=12345;") == "You are helpful. cch=12345;"
+
+
+def test_a_messages_history_becomes_chat_messages_in_order() -> None:
+    body = GenerateRequest.model_validate({
+        "model": "m", "max_tokens": 8, "tools": [TOOL], "tool_choice": {"type": "any"},
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=00001;"}, {"type": "text", "text": "Be brief."}],
+        "messages": [
+            {"role": "user", "content": "Add 1."},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                              {"type": "text", "text": "Sure."},
+                                              {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 1}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "2"},
+                                         {"type": "text", "text": "And again?"}]},
+            {"role": "assistant", "content": "The answer is"},
+        ]})
+    job = messages_job(body)
+    assert [(m.role, m.content) for m in job.messages] == [
+        ("system", "x-anthropic-billing-header: cch=fffff;\nBe brief."), ("user", "Add 1."), ("assistant", "Sure."),
+        ("tool", "2"), ("user", "And again?")]
+    call = job.messages[2].tool_calls[0]
+    assert (call.id, call.function.name, call.function.arguments) == ("toolu_1", "add", '{"a": 1}')
+    assert job.prefill == "The answer is" and job.tool_mode == "required" and not job.parallel
+    assert job.max_tokens == 8 and job.sampling.temperature == 1.0
+
+
+@pytest.mark.parametrize("choice, mode", [({"type": "auto"}, "auto"), ({"type": "none"}, "none"),
+                                          ({"type": "tool", "name": "add"}, "add"), (None, "auto")])
+def test_anthropic_tool_choices_map_to_the_chat_ones(choice: dict | None, mode: str) -> None:
+    body = {"model": "m", "max_tokens": 1, "tools": [TOOL], "messages": [{"role": "user", "content": "x"}]}
+    job = messages_job(GenerateRequest.model_validate({**body, "tool_choice": choice} if choice else body))
+    assert job.tool_mode == mode and [t.function.name for t in job.tools] == ["add"]
+
+
+def test_a_tool_result_must_answer_an_earlier_call() -> None:
+    body = GenerateRequest.model_validate({"model": "m", "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "1"}]}]})
+    with pytest.raises(APIError, match="toolu_9"):
+        messages_job(body)
+
+
+def test_a_responses_input_becomes_chat_messages_with_one_reply_per_run_of_calls() -> None:
+    body = ResponsesRequest.model_validate({
+        "instructions": "Be brief.", "tools": [{"type": "function", "name": "add"}], "max_output_tokens": 9,
+        "input": [
+            {"role": "user", "content": "Add twice."},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sure."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": "{}"},
+            {"type": "function_call", "call_id": "call_2", "name": "add", "arguments": "{}"},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "function_call_output", "call_id": "call_1", "output": "1"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "2"}]},
+        ]})
+    job = responses_job(body)
+    assert [(m.role, m.content) for m in job.messages] == [
+        ("system", "Be brief."), ("user", "Add twice."), ("assistant", "Sure."), ("tool", "1"), ("tool", "2")]
+    assert [c.id for c in job.messages[2].tool_calls] == ["call_1", "call_2"]
+    assert job.tool_mode == "auto" and job.max_tokens == 9 and job.prompt_param == "input"
+
+
+def test_responses_refuses_what_needs_a_stored_response() -> None:
+    with pytest.raises(ValidationError, match="stores none"):
+        ResponsesRequest.model_validate({"input": "x", "previous_response_id": "resp_1"})
