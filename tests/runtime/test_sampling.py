@@ -191,6 +191,28 @@ def test_the_grammar_binds_sampling_at_temperature_too(fast_engine):
     assert type(json.loads(out.text)["age"]) is int
 
 
+def test_a_lazy_grammar_holds_from_its_trigger_on(fast_engine):
+    """Free text until a token ends the output with the trigger, then the grammar, then the end;
+    a trigger inside a token that runs past it leaves the output free."""
+    tokens = chat_prompt(fast_engine, "Write a sentence about the sea.")
+    # Each run cold and alone, so the three compute the same logits (fast mode's floats depend
+    # on what a step holds; a hit would compute the prompt otherwise).
+    cold = {"record": False, "lookup": False}
+    free = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=30, **cold))
+    grammar = 'root ::= " cat" | " dog"'
+    for trigger in (" sea", " the"):
+        lazy = fast_engine.generate(GenerationRequest(
+            tokens=tokens, max_tokens=30, sampling=SamplingParams(grammar=grammar, grammar_trigger=trigger), **cold))
+        cut = free.text.index(trigger) + len(trigger)
+        assert lazy.finish_reason is FinishReason.STOP
+        assert lazy.text[:cut] == free.text[:cut] and lazy.text[cut:] in (" cat", " dog"), (trigger, lazy.text)
+    # "Th" is inside the token "The" and ends none: the grammar stays off and the text is free.
+    assert free.text.startswith("The") and fast_engine.tokenize("The", add_special=False) == [free.tokens[0]]
+    untriggered = fast_engine.generate(GenerationRequest(
+        tokens=tokens, max_tokens=30, sampling=SamplingParams(grammar=grammar, grammar_trigger="Th"), **cold))
+    assert untriggered.text == free.text
+
+
 # -- refused before anything runs --------------------------------------------------
 
 

@@ -6,11 +6,15 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from skippy_cache.runtime import SamplingParams, json_grammar
 from skippy_cache.server.anthropic import GenerateRequest, rewrite_billing_line
 from skippy_cache.server.anthropic import to_job as messages_job
 from skippy_cache.server.errors import APIError
+from skippy_cache.server.generation import tool_sampling
+from skippy_cache.server.jobs import ChatJob
 from skippy_cache.server.openai_responses import ResponsesRequest
 from skippy_cache.server.openai_responses import to_job as responses_job
+from skippy_cache.server.schemas import ChatMessage, ToolSpec
 
 TOOL = {"name": "add", "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
 
@@ -82,3 +86,21 @@ def test_a_responses_input_becomes_chat_messages_with_one_reply_per_run_of_calls
 def test_responses_refuses_what_needs_a_stored_response() -> None:
     with pytest.raises(ValidationError, match="stores none"):
         ResponsesRequest.model_validate({"input": "x", "previous_response_id": "resp_1"})
+
+
+def test_each_tool_choice_gets_its_grammar() -> None:
+    tools = [ToolSpec.model_validate({"type": "function", "function": {"name": "add"}})]
+    job = ChatJob(sampling=SamplingParams(), max_tokens=1, messages=[ChatMessage(role="user", content="x")],
+                  tools=tools)
+    required = tool_sampling(ChatJob(**{**job.__dict__, "tool_mode": "required"}))
+    head = 'one ::= ( "<tool_call>\\n{\\"name\\": \\"add\\", \\"arguments\\": " '
+    assert required.grammar_trigger is None and head in required.grammar
+    # auto: a call once the reply opens one, from just after its opening tag.
+    auto = tool_sampling(ChatJob(**{**job.__dict__, "tool_mode": "auto"}))
+    assert auto.grammar_trigger == "<tool_call>" and head.replace("<tool_call>", "") in auto.grammar
+    assert tool_sampling(ChatJob(**{**job.__dict__, "tool_mode": "none"})).grammar is None
+    # A response_format grammar holds the whole reply already: auto adds none, required refuses.
+    shaped = SamplingParams(grammar=json_grammar())
+    assert tool_sampling(ChatJob(**{**job.__dict__, "tool_mode": "auto", "sampling": shaped})) == shaped
+    with pytest.raises(APIError, match="response_format"):
+        tool_sampling(ChatJob(**{**job.__dict__, "tool_mode": "required", "sampling": shaped}))

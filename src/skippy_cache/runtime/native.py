@@ -343,6 +343,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: A GBNF grammar (start rule `root`) every output must match; None: any text.
     grammar: str | None = None
+    #: Makes `grammar` lazy: the output is free until a token ends it with this text, and
+    #: follows `grammar` from the next token on (a tool call's opening tag). A token that runs
+    #: past the text does not switch the grammar on (see `Sampler`).
+    grammar_trigger: str | None = None
 
     @property
     def penalised(self) -> bool:
@@ -445,6 +449,13 @@ class Sampler:
     the pick breaks it: llama.cpp's `common_sampler_sample` does this because
     applying a grammar to the whole vocabulary costs a walk of every token's
     text for every sampled token.
+
+    A lazy grammar (`grammar_trigger`) is made only once a token ends the output
+    with the trigger, and holds from the next token. llama.cpp's own lazy grammar
+    is not used: on its trigger it feeds the firing token's text past the trigger
+    to the grammar in one go, and text the grammar refuses there throws through
+    its C API, which aborts the process. Here the grammar only ever sees tokens
+    it allows; a token that runs past the trigger leaves the output free.
     """
 
     def __init__(self, params: SamplingParams, model: NativeModel, prompt: Sequence[int] = ()) -> None:
@@ -483,17 +494,33 @@ class Sampler:
             # Done here, from the prompt, so a cached and an uncached run agree.
             for token in prompt[-PENALTY_LAST_N:]:
                 ll.llama_sampler_accept(chain, token)
-        if params.grammar is not None:
-            grammar = ll.llama_sampler_init_grammar(model.vocab, params.grammar.encode("utf-8"), b"root")
-            if not grammar:
+        self._model = model
+        #: A lazy grammar not yet switched on, its trigger, and the output's last bytes.
+        self._dormant: str | None = None
+        self._trigger = b""
+        self._tail = b""
+        if params.grammar is not None and params.grammar_trigger:
+            self._dormant = params.grammar
+            self._trigger = params.grammar_trigger.encode("utf-8")
+        elif params.grammar is not None:
+            try:
+                self.grammar = self._make_grammar(params.grammar)
+            except NativeError:
                 self.close()
-                raise NativeError("llama.cpp could not parse the grammar")
-            self.grammar = grammar
+                raise
+
+    def _make_grammar(self, text: str) -> object:
+        grammar = ll.llama_sampler_init_grammar(self._model.vocab, text.encode("utf-8"), b"root")
+        if not grammar:
+            raise NativeError("llama.cpp could not parse the grammar")
+        return grammar
 
     def sample(self, ctx: NativeContext, row: int) -> int:
         """Sample from batch row `row`'s logits and accept the token (`llama_sampler_sample`)."""
         if self.grammar is None:
-            return int(ll.llama_sampler_sample(self.ptr, ctx.ptr, row))
+            token = int(ll.llama_sampler_sample(self.ptr, ctx.ptr, row))
+            self._watch(token)
+            return token
         ptr = ll.llama_get_logits_ith(ctx.ptr, row)
         return self.sample_logits(np.ctypeslib.as_array(ptr, shape=(ctx.model.n_vocab,)))
 
@@ -505,7 +532,17 @@ class Sampler:
                 token = self._pick(logits, with_grammar=True)
             ll.llama_sampler_accept(self.grammar, token)
         ll.llama_sampler_accept(self.ptr, token)
+        self._watch(token)
         return token
+
+    def _watch(self, token: int) -> None:
+        """Switch a lazy grammar on once a token ends the output with its trigger."""
+        if self._dormant is None:
+            return
+        self._tail = (self._tail + self._model.token_bytes(token))[-len(self._trigger):]
+        if self._tail == self._trigger:
+            self.grammar = self._make_grammar(self._dormant)
+            self._dormant = None
 
     def _pick(self, logits: np.ndarray, *, with_grammar: bool) -> int:
         """The chain's choice over all of `logits` (with the grammar applied first: only over what it allows)."""

@@ -49,7 +49,7 @@ from skippy_cache.server.schemas import (
     UnpinRequest,
 )
 from skippy_cache.server.settings import ServerSettings
-from skippy_cache.server.tools import call_grammar, render_messages
+from skippy_cache.server.tools import TRIGGER, call_grammar, render_messages
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -109,7 +109,7 @@ class Generation:
     async def prompt_size(self, job: ChatJob) -> int:
         """How many tokens a chat job's prompt has, as `start_chat` would render it."""
         self.limits.check_messages(len(job.messages))
-        tool_grammar(job)  # the same 400s for tools the converter refuses
+        tool_sampling(job)  # the same 400s for tools the converter refuses
         prompt = await asyncio.to_thread(self._chat_prompt, job)
         return len(prompt.tokens)
 
@@ -119,7 +119,7 @@ class Generation:
         the prompt's length."""
         self.limits.check_stop(list(job.stop))
         self.limits.check_messages(len(job.messages))
-        grammar = tool_grammar(job)
+        job = replace(job, sampling=tool_sampling(job))
         prompt = await asyncio.to_thread(self._chat_prompt, job)
         self.limits.check_prompt(len(prompt.tokens), param=job.prompt_param)
         if job.max_tokens is None:
@@ -127,7 +127,7 @@ class Generation:
             # at least 1 so a prompt that fills the context gets the engine's context error.
             n_ctx = self.engine.info.n_ctx
             job = replace(job, max_tokens=max(min(self.settings.default_max_tokens, n_ctx - len(prompt.tokens)), 1))
-        return self.submit(job, prompt, prompt_param=job.prompt_param, grammar=grammar), len(prompt.tokens)
+        return self.submit(job, prompt, prompt_param=job.prompt_param), len(prompt.tokens)
 
     def _chat_prompt(self, job: ChatJob) -> Prompt:
         def recall(call_id: str) -> str | None:
@@ -187,12 +187,11 @@ class Generation:
             return await asyncio.to_thread(self.engine.tokenize, prompt)
         return list(prompt)
 
-    def submit(self, job: Job, prompt: Prompt, *, prompt_param: str, grammar: str | None = None) -> EngineRuns:
+    def submit(self, job: Job, prompt: Prompt, *, prompt_param: str) -> EngineRuns:
         """One engine request per choice (`n`), all with the same prompt: the first prefills it, the
-        others share its cells in flight or reuse its entry, so a choice costs about its decode.
-        `grammar`: the tool calls' (the request's own, from `response_format`, otherwise)."""
+        others share its cells in flight or reuse its entry, so a choice costs about its decode."""
         assert job.max_tokens is not None
-        sampling = job.sampling if grammar is None else replace(job.sampling, grammar=grammar)
+        sampling = job.sampling
         runs: list[EngineRun] = []
         try:
             for index in range(job.choices):
@@ -274,24 +273,28 @@ def _job_fields(body: CompletionRequest | ChatCompletionRequest) -> dict:
             "lookup": body.cache.lookup, "record": body.cache.store, "pin": body.pin, "choices": body.choices}
 
 
-def tool_grammar(job: ChatJob) -> str | None:
-    """The grammar `tool_mode` asks for (required, or a named tool); None for auto and none.
+def tool_sampling(job: ChatJob) -> SamplingParams:
+    """The job's sampling with the grammar its `tool_mode` asks for: required or named, a call
+    from the first token; auto, a call once the reply opens one (a lazy grammar), unless
+    `response_format` already holds the reply to a grammar; none, as it is.
 
     Every tool's schema is converted whatever the choice, so a schema the converter refuses is a
     400 on the request that sends it, not on a later one that asks for a call."""
     if not job.tools:
-        return None
+        return job.sampling
     mode = job.tool_mode
     try:
-        grammar = call_grammar(job.tools, "required" if mode in ("none", "auto") else mode, job.parallel)
+        grammar = call_grammar(job.tools, "required" if mode == "none" else mode, job.parallel)
     except ValueError as exc:
         raise APIError(400, str(exc), param="tools", code="invalid_value") from None
-    if mode in ("none", "auto"):
-        return None
+    if mode == "none" or (mode == "auto" and job.sampling.grammar is not None):
+        return job.sampling
+    if mode == "auto":
+        return replace(job.sampling, grammar=grammar, grammar_trigger=TRIGGER)
     if job.sampling.grammar is not None:
         raise APIError(400, "response_format cannot constrain a reply that tool_choice makes a tool call",
                        param="response_format", code="invalid_value")
-    return grammar
+    return replace(job.sampling, grammar=grammar)
 
 
 async def collect(request: Request, runs: EngineRuns, watcher: asyncio.Task[None]) -> list[Choice]:

@@ -112,16 +112,23 @@ def _replayed(message: ChatMessage, reply: str | None) -> str | None:
     return reply
 
 
+#: What switches `auto`'s grammar on: a call's opening tag (`SamplingParams.grammar_trigger`).
+TRIGGER = _OPEN_TAG
+
+
 def call_grammar(tools: Sequence[ToolSpec], mode: str, parallel: bool) -> str | None:
     """GBNF for `tool_choice` required (any tool) or named (that one), one call or, with
-    `parallel`, several; None for auto and none. ValueError names a tool whose schema the
+    `parallel`, several; for auto, one call of any tool from just after its opening tag (a lazy
+    grammar, switched on by `TRIGGER`); None for none. ValueError names a tool whose schema the
     converter refuses."""
-    if mode in ("none", "auto"):
+    if mode == "none":
         return None
-    chosen = [t for t in tools if mode == "required" or t.function.name == mode]
-    alternatives = [(f"the parameters of tool {t.function.name!r}", _call_head(t.function.name),
+    chosen = [t for t in tools if mode in ("required", "auto") or t.function.name == mode]
+    # Under auto the opening tag is already out when the grammar starts.
+    cut = len(TRIGGER) if mode == "auto" else 0
+    alternatives = [(f"the parameters of tool {t.function.name!r}", _call_head(t.function.name)[cut:],
                      t.function.parameters or {"type": "object"}, "}" + CLOSE) for t in chosen]
-    return literal_json_grammar(alternatives, repeat_with=BETWEEN if parallel else None)
+    return literal_json_grammar(alternatives, repeat_with=BETWEEN if parallel and mode != "auto" else None)
 
 
 @dataclass(frozen=True)
