@@ -135,7 +135,7 @@ def _agent_rows(ms: list[Measurement], sizes: Sizes) -> list[Row]:
     rows: list[Row] = []
     for api in AGENT_APIS:
         first, others = _group(ms, f"{api} step 1, agent 1"), _group(ms, f"{api} step 1, agents 2+")
-        later = [m for m in ms if m.group.startswith(f"{api} step ") and m not in first and m not in others]
+        later = [m for step in range(2, sizes.agent_steps + 1) for m in _group(ms, f"{api} step {step}")]
         rows += [
             (f"{api}: step 1, agent 1: TTFT", "ms", "lower", percentile(_ttfts(first), 50)),
             (f"{api}: step 1, agents 2+: TTFT p50", "ms", "lower", percentile(_ttfts(others), 50)),

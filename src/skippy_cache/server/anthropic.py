@@ -35,7 +35,7 @@ from skippy_cache.runtime import (
 )
 from skippy_cache.server.bridge import EngineRuns
 from skippy_cache.server.errors import APIError, anthropic_error_body
-from skippy_cache.server.generation import Generation, parse_body
+from skippy_cache.server.generation import Generation, parse_body, sse_event
 from skippy_cache.server.jobs import ChatJob
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (
@@ -474,7 +474,8 @@ class _Blocks:
 
 
 def _sse(event: str, payload: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """Anthropic names every event: the name first, as the stream reads."""
+    return sse_event(payload, event)
 
 
 # -- handlers ------------------------------------------------------------------------

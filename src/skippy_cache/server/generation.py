@@ -284,6 +284,7 @@ def tool_sampling(job: ChatJob) -> SamplingParams:
         return job.sampling
     mode = job.tool_mode
     try:
+        # Under none too: the schemas are checked, though no grammar is used.
         grammar = call_grammar(job.tools, "required" if mode == "none" else mode, job.parallel)
     except ValueError as exc:
         raise APIError(400, str(exc), param="tools", code="invalid_value") from None
@@ -360,8 +361,11 @@ async def parse_body(request: Request, model: type[T]) -> T:
         raise from_validation_errors(exc.errors()) from None
 
 
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse_event(payload: dict, event: str | None = None) -> str:
+    """One server-sent event: its `event:` line when the API names its events (Anthropic's,
+    the Responses API's), then the compact JSON payload."""
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 async def _sse(runs: EngineRuns, fmt: ResponseFormat, include_usage: bool, watcher: asyncio.Task[None],
@@ -374,29 +378,29 @@ async def _sse(runs: EngineRuns, fmt: ResponseFormat, include_usage: bool, watch
     """
     try:
         for chunk in fmt.opening_chunks(len(runs)):
-            yield _event(chunk)
+            yield sse_event(chunk)
         stats = []
         async for index, event in runs.events():
             if isinstance(event, TokenEvent):
                 # A token with logprobs gets its chunk even while its text is held back.
                 if event.text or event.logprobs is not None:
                     for chunk in fmt.delta_chunks(index, event.text, event.logprobs):
-                        yield _event(chunk)
+                        yield sse_event(chunk)
                 continue
             if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
                 for chunk in fmt.final_chunks(index, event.finish_reason):
-                    yield _event(chunk)
+                    yield sse_event(chunk)
                 stats.append((index, event.stats))
                 if remember is not None:
                     remember(index, event)
             else:
                 # Headers are gone already; OpenAI reports mid-stream failures as an error event.
                 message = event.error or f"the request was {event.finish_reason.value}"
-                yield _event(error_body(message, "server_error", code=event.finish_reason.value))
+                yield sse_event(error_body(message, "server_error", code=event.finish_reason.value))
                 break
         else:
             if include_usage:
-                yield _event(fmt.usage_chunk([s for _, s in sorted(stats, key=lambda item: item[0])]))
+                yield sse_event(fmt.usage_chunk([s for _, s in sorted(stats, key=lambda item: item[0])]))
         yield "data: [DONE]\n\n"
     finally:
         watcher.cancel()

@@ -11,7 +11,6 @@ the history a stored response would stand for is reused from the cache.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,7 +30,7 @@ from skippy_cache.runtime import (
 )
 from skippy_cache.server.bridge import EngineRuns
 from skippy_cache.server.errors import APIError, error_body
-from skippy_cache.server.generation import Generation, parse_body
+from skippy_cache.server.generation import Generation, parse_body, sse_event
 from skippy_cache.server.jobs import ChatJob
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (
@@ -409,7 +408,7 @@ class ResponseFormat:
     def _event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return sse_event(payload, kind)
 
 
 def _status(done: DoneEvent) -> str:

@@ -1,15 +1,18 @@
-"""Tool calls on /v1/chat/completions: tools rendered into the prompt, calls parsed out of the reply.
+"""Tool calls for all three chat APIs: tools, past calls and results for the chat template, the
+grammar of a call, and a reply split into text and calls.
 
-One syntax for every model, Hermes style (what Qwen 2.5/3 and the Hermes models are trained on):
-the tools' JSON schemas in a `<tools>` block at the end of the system message; each call a
-`<tool_call>` block holding `{"name": ..., "arguments": ...}`; each result a `<tool_response>`
+One call syntax, Hermes style (what Qwen 2.5/3 and the Hermes models are trained on): each call a
+`<tool_call>` block holding `{"name": ..., "arguments": ...}`. A template that renders tools in
+that syntax itself (`ChatFormatter.caps`) gets the messages as they are. Every other template
+gets the fallback: the tools' JSON schemas in a `<tools>` block at the end of the system
+message, past calls as their assistant message's text, and each result a `<tool_response>`
 block in a user turn (every chat template knows the user role; not every one knows `tool`).
 
 The cache reuses a turn's prompt and reply only if the next turn renders them to the same
 tokens. So a past call is re-rendered exactly as it was generated: the fixed text around it, and
-its `arguments` string as the response returned it. `tool_choice` required or named constrains
-the reply with a grammar whose fixed text is that same wrapping, so what is generated is what
-will be re-rendered.
+its `arguments` string as the response returned it (or the reply itself, when the server still
+remembers it). `tool_choice` required or named constrains the reply with a grammar whose fixed
+text is that same wrapping, so what is generated is what will be re-rendered.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ CLOSE = "\n</tool_call>"
 BETWEEN = "\n"
 _OPEN_TAG = "<tool_call>"
 _CLOSE_TAG = "</tool_call>"
+#: What switches `auto`'s grammar on: a call's opening tag (`SamplingParams.grammar_trigger`).
+TRIGGER = _OPEN_TAG
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 TOOLS_PREAMBLE = (
@@ -78,9 +83,7 @@ def render_messages(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec],
                 calls = BETWEEN.join(call_text(c.function.name, c.function.arguments) for c in message.tool_calls)
                 text = f"{message.content}{BETWEEN}{calls}" if message.content else calls
             message = message.model_copy(update={"content": text, "tool_calls": None})
-        elif native:
-            pass
-        elif message.role == "tool":
+        elif message.role == "tool" and not native:
             text = f"<tool_response>\n{message.content or ''}\n</tool_response>"
             message = message.model_copy(update={"role": "user", "content": text, "tool_call_id": None})
         out.append(message)
@@ -112,17 +115,11 @@ def _replayed(message: ChatMessage, reply: str | None) -> str | None:
     return reply
 
 
-#: What switches `auto`'s grammar on: a call's opening tag (`SamplingParams.grammar_trigger`).
-TRIGGER = _OPEN_TAG
-
-
-def call_grammar(tools: Sequence[ToolSpec], mode: str, parallel: bool) -> str | None:
+def call_grammar(tools: Sequence[ToolSpec], mode: str, parallel: bool) -> str:
     """GBNF for `tool_choice` required (any tool) or named (that one), one call or, with
     `parallel`, several; for auto, one call of any tool from just after its opening tag (a lazy
-    grammar, switched on by `TRIGGER`); None for none. ValueError names a tool whose schema the
-    converter refuses."""
-    if mode == "none":
-        return None
+    grammar, switched on by `TRIGGER`). ValueError names a tool whose schema the converter
+    refuses."""
     chosen = [t for t in tools if mode in ("required", "auto") or t.function.name == mode]
     # Under auto the opening tag is already out when the grammar starts.
     cut = len(TRIGGER) if mode == "auto" else 0
