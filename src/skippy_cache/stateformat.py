@@ -34,8 +34,14 @@ permuted one it is the same sequence with cells and rows sorted by position.
 Out of scope and refused by the checks above:
 - models whose cells carry `llama_kv_cell_ext` (M-RoPE, PLE) write 12 more
   bytes per cell; they break the 12-byte cell stride and are refused;
-- memories that write more than one KV cache (iSWA, hybrid) leave trailing
-  bytes after the first; layers without V (`if (!v) continue`) come out short.
+- memories that write more than one KV cache leave trailing bytes after the
+  first; layers without V (`if (!v) continue`) come out short. A sliding-window
+  model writes its full-attention layers' cache and then its window layers'
+  (`llama_kv_cache_iswa::state_write`): `parse_sections` reads both, each
+  section as above, for deterministic mode's pads (`zeroed` of both layouts).
+  The window section holds only the cells the window still needs, so such a
+  state is not cut into chunks. A recurrent memory's section is another format
+  altogether, refused.
 
 A chunk is the raw rows of a run of tokens, nothing else: every layer's K rows,
 then every layer's V rows (transposed V: per layer, per embedding element, the
@@ -64,6 +70,7 @@ IO_MAGIC = 0xAF143CD8
 #: versions the file wrapper only), so we pin the vendored source we read.
 FORMAT_VERSION = "llama.cpp-seq-state/io_magic=af143cd8/kv-cache-1/llama-cpp-python-0.3.36"
 
+_MAGIC_SEQ = struct.Struct("<Ii")  # magic, seq_id: the context writes them, then each KV cache its section
 _HEAD = struct.Struct("<IiII")  # magic, seq_id, n_stream, cell_count (of the only stream)
 _CELL_BYTES = 12  # i32 pos, u32 n_seq_id = 1, i32 seq_id
 _U32X2 = struct.Struct("<II")
@@ -203,12 +210,39 @@ class _Reader:
 
 def parse(payload: bytes | bytearray | memoryview) -> SeqState:
     """Read a payload of `llama_state_seq_get_data` (flags 0); refuses all the module docstring leaves out."""
+    r, seq_id = _header(payload)
+    state = _section(r, payload, seq_id)
+    if r.pos != len(payload):
+        raise StateFormatError(
+            f"{len(payload) - r.pos} trailing bytes after the last layer's V at offset {r.pos}: "
+            "a second KV cache (iSWA, hybrid memory) or another writer"
+        )
+    return state
+
+
+def parse_sections(payload: bytes | bytearray | memoryview) -> tuple[SeqState, ...]:
+    """Read a payload that holds one KV cache after another, as a sliding-window model writes it
+    (the full-attention layers' cache, then the window layers'); each section as `parse` reads one."""
+    r, seq_id = _header(payload)
+    sections = [_section(r, payload, seq_id)]
+    while r.pos != len(payload):
+        sections.append(_section(r, payload, seq_id))
+    return tuple(sections)
+
+
+def _header(payload: bytes | bytearray | memoryview) -> tuple[_Reader, int]:
     r = _Reader(payload)
-    magic, seq_id, n_stream, n = r.unpack(_HEAD, "header")
+    magic, seq_id = r.unpack(_MAGIC_SEQ, "header")
     if magic != IO_MAGIC:
         raise StateFormatError(f"not a sequence state: magic {magic:#010x}, expected {IO_MAGIC:#010x}")
     if seq_id < 0:
         raise StateFormatError(f"header seq_id {seq_id}: a whole-context state, not one sequence's")
+    return r, seq_id
+
+
+def _section(r: _Reader, payload: bytes | bytearray | memoryview, seq_id: int) -> SeqState:
+    """One KV cache's part of a payload, from its stream count to its last V row."""
+    n_stream, n = r.unpack(_U32X2, "stream and cell counts")
     if n_stream != 1:
         # One stream is kv_unified; with one stream per sequence, the stream count
         # becomes part of the layout and every empty stream writes a zero count.
@@ -260,11 +294,6 @@ def parse(payload: bytes | bytearray | memoryview) -> SeqState:
             layers.append(LayerLayout(k_type, k_row, v_type, v_row))
             v_offsets.append(r.need(n * v_row, f"layer {il} V rows"))
 
-    if r.pos != len(payload):
-        raise StateFormatError(
-            f"{len(payload) - r.pos} trailing bytes after the last layer's V at offset {r.pos}: "
-            "a second KV cache (iSWA, hybrid memory) or another writer"
-        )
     layout = Layout(bool(v_trans), tuple(layers))
     return SeqState(payload, seq_id, n, layout, tuple(k_offsets), tuple(v_offsets), order)
 
@@ -394,22 +423,27 @@ def join(
     return bytearray().join(parts)
 
 
-def zeroed(layout: Layout, n_tokens: int, *, seq_id: int = 0) -> bytearray:
+def zeroed(layout: Layout | Sequence[Layout], n_tokens: int, *, seq_id: int = 0) -> bytearray:
     """A payload of `n_tokens` cells at positions 0, 1, ... whose K and V rows are all zero.
 
     Deterministic mode's placement pads: nothing attends to them, so only
     where their cells land matters. Built in place (the rows are the zeros of
-    a fresh buffer), since a pad of a thousand cells is tens of MiB.
+    a fresh buffer), since a pad of a thousand cells is tens of MiB. Several
+    layouts: one section per KV cache, as `parse_sections` reads them.
     """
     if n_tokens < 1:
         raise StateFormatError(f"n_tokens must be at least 1, got {n_tokens}")
+    layouts = (layout,) if isinstance(layout, Layout) else tuple(layout)
     # Each section: its header, then as many zero bytes of rows.
-    sections = [(_cells_head(layout, n_tokens, seq_id, 0), 0)]
-    sections += [(_ROW_HEAD.pack(x.k_type, x.k_row_bytes), n_tokens * x.k_row_bytes) for x in layout.layers]
-    for x in layout.layers:
-        head = (_TRANS_HEAD.pack(x.v_type, x.v_el_bytes, x.n_embd_v_gqa) if layout.v_trans
-                else _ROW_HEAD.pack(x.v_type, x.v_row_bytes))
-        sections.append((head, n_tokens * x.v_row_bytes))
+    sections: list[tuple[bytes, int]] = []
+    for i, one in enumerate(layouts):
+        head = _cells_head(one, n_tokens, seq_id, 0)
+        sections.append((head if i == 0 else head[_MAGIC_SEQ.size:], 0))
+        sections += [(_ROW_HEAD.pack(x.k_type, x.k_row_bytes), n_tokens * x.k_row_bytes) for x in one.layers]
+        for x in one.layers:
+            v_head = (_TRANS_HEAD.pack(x.v_type, x.v_el_bytes, x.n_embd_v_gqa) if one.v_trans
+                      else _ROW_HEAD.pack(x.v_type, x.v_row_bytes))
+            sections.append((v_head, n_tokens * x.v_row_bytes))
     out = bytearray(sum(len(head) + rows for head, rows in sections))
     at = 0
     for head, rows in sections:

@@ -67,6 +67,12 @@ class Why(str, enum.Enum):
     #: Deterministic mode: the entry's next rows were computed by another kernel than this
     #: prompt's cold run would use (exact.py), or the prompt could not resume there as it did cold.
     GRID = "grid"
+    #: A recurrent or hybrid model: a longer prefix is cached inside an entry, but its state
+    #: exists only where an entry ends (a checkpoint), and none ends there (family.py).
+    CHECKPOINT = "checkpoint"
+    #: A sliding-window model: the entry that holds a longer prefix no longer holds the window
+    #: before its end, and no entry ends there (family.py).
+    WINDOW = "window"
     #: Nothing cached shares `min_tokens` leading tokens with the prompt.
     NEVER_SEEN = "never_seen"
     BELOW_MIN_TOKENS = "below_min_tokens"
@@ -125,6 +131,10 @@ class Query:
     tails: tuple[PrefixIdentity, ...] = ()
     #: Set when the request may not look up at all, with the reason.
     refused: Why | None = None
+    #: A hit must end where an entry ends (recurrent state, family.py); a shorter hit than the
+    #: longest shared prefix says why with `short_why`.
+    whole_entries: bool = False
+    short_why: Why = Why.CHECKPOINT
 
 
 class StateTier(Protocol):
@@ -259,6 +269,8 @@ class CacheTiers:
                 return hit
         if query.kernels is not None:
             return self._exact(query, query.kernels)
+        if query.whole_entries:
+            return self._whole_entries(query)
         best = Hit.miss(Why.NEVER_SEEN)
         # Any leading part of an entry is exact state for those tokens (attention is causal).
         match = self.index.longest(query.space, query.tokens, prefer=self.resident, min_length=self.min_tokens)
@@ -282,18 +294,43 @@ class CacheTiers:
         for match in self.index.matches(query.space, query.tokens, min_length=self.min_tokens):
             length, source = self._held(match.page_id, match.length)
             shared = max(shared, length)
-            length = exact_length(length, self.kernels[match.page_id], kernels)
+            exact = exact_length(length, self.kernels[match.page_id], kernels)
+            if query.whole_entries and (exact != length or length != self.index.token_count(match.page_id)):
+                continue  # a recurrent state serves only at its entry's end, and only exactly there
+            length = exact
             size = self.index.token_count(match.page_id) or 0
             key = (-length, source is not Source.RESIDENT, size, match.page_id, source)
             best = key if best is None else min(best, key)
         found = self._named(query)
         if found.length >= max(self.min_tokens, 1) and (best is None or found.length > -best[0]):
             return found
+        short = query.short_why if query.whole_entries else Why.GRID
         if best is None or -best[0] < max(self.min_tokens, 1):
-            return Hit.miss(Why.NEVER_SEEN if shared == 0 else Why.GRID)
+            return Hit.miss(Why.NEVER_SEEN if shared == 0 else short)
         length = -best[0]
-        why = reuse_why(length, len(query.tokens)) if length == shared else Why.GRID
+        why = reuse_why(length, len(query.tokens)) if length == shared else short
         return Hit(best[4], best[3], length, why)
+
+    def _whole_entries(self, query: Query) -> Hit:
+        """The longest entry whose every token starts the prompt (its state is that of its own end,
+        nothing shorter); among equals a resident one. Shorter than the longest shared prefix: says
+        why (`query.short_why`)."""
+        best: tuple[int, bool, PageId] | None = None
+        shared = 0
+        for match in self.index.matches(query.space, query.tokens, min_length=self.min_tokens):
+            shared = max(shared, match.length)
+            if match.length != self.index.token_count(match.page_id):
+                continue
+            length, source = self._held(match.page_id, match.length)
+            if length != match.length:
+                continue
+            key = (length, source is Source.RESIDENT, match.page_id)
+            best = key if best is None or key[:2] > best[:2] else best
+        if best is None:
+            return Hit.miss(query.short_why if shared else Why.NEVER_SEEN)
+        length, resident, page_id = best
+        why = reuse_why(length, len(query.tokens)) if length >= shared else query.short_why
+        return Hit(self.source_of(page_id), page_id, length, why)
 
     def resident_base(self, query: Query) -> tuple[PageId, int] | None:
         """The resident entry that serves the query's prompt exactly for the most leading tokens, and

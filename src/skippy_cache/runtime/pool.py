@@ -20,10 +20,13 @@ Run = tuple[int, int, int]
 
 
 class CellPool:
-    def __init__(self, ctx: NativeContext) -> None:
+    def __init__(self, ctx: NativeContext, *, whole_entries: bool = False) -> None:
         self.ctx = ctx
         self.n_ctx = ctx.n_ctx
         self.cells = CellMap(ctx.n_ctx)
+        #: The model keeps recurrent state (family.py): a copy takes the source's latest state,
+        #: whatever the range, so only a copy of a whole sequence is exact.
+        self.whole_entries = whole_entries
 
     @property
     def used_cells(self) -> int:
@@ -54,6 +57,11 @@ class CellPool:
 
     def copy(self, src: int, dst: int, n: int) -> None:
         """`dst` joins `src`'s cells of positions [0, n): nothing is copied."""
+        if self.whole_entries and n != self.cells.pos_max(src) + 1:
+            # The copy would pair the attention cells of [0, n) with the recurrent state of the
+            # source's end: confidently wrong logits, so it is a bug the caller must not reach.
+            raise RuntimeError(f"copy of positions [0, {n}) from seq {src}, which holds "
+                               f"{self.cells.pos_max(src) + 1}: a recurrent state cannot be cut")
         self.ctx.seq_cp(src, dst, 0, n)
         self.cells.seq_cp(src, dst, 0, n)
 
@@ -63,7 +71,8 @@ class CellPool:
 
     def trim(self, seq_id: int, keep: int) -> None:
         """Keep positions [0, keep) of the sequence."""
-        self.ctx.seq_rm(seq_id, keep, -1)
+        # Keeping none is a whole removal, which a recurrent memory accepts; a cut it refuses.
+        self.ctx.seq_rm(seq_id, keep if keep > 0 else -1, -1)
         self.cells.seq_rm(seq_id, keep, -1)
 
     def remove(self, seq_id: int, p0: int, p1: int) -> None:

@@ -42,6 +42,7 @@ from blake3 import blake3
 
 from skippy_cache.config import PrefixCandidatePolicy, StageKvCacheMode
 from skippy_cache.exact import Kernels, rows_key
+from skippy_cache.family import Family, Memory
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities, prefix_identity
 from skippy_cache.misses import MissBook, age_bucket, lengths
 from skippy_cache.resident import ResidentCacheError, ResidentEviction
@@ -118,6 +119,8 @@ class PrefixCache:
         bytes_per_token: int,
         idle_tokens: int,
         placement: Placement | None = None,
+        family: Family | None = None,
+        deterministic: bool | None = None,
     ) -> None:
         self.pool = pool
         self.tiers = tiers
@@ -132,7 +135,10 @@ class PrefixCache:
         #: Where a restore's cells land (deterministic mode: on the block grid, steering.py).
         self.placement = placement or FreePlacement()
         #: Hits reuse only rows computed by the kernel the prompt's cold run would use (exact.py).
-        self.deterministic = isinstance(self.placement, AlignedPlacement)
+        #: Recurrent memories are deterministic without steered cells (no placement pads).
+        self.deterministic = isinstance(self.placement, AlignedPlacement) if deterministic is None else deterministic
+        #: The model's kind of memory: which leading parts of an entry are exact state (family.py).
+        self.family = family or Family("llama", Memory.ATTENTION)
         # Whole-prompt entries cover the last prompt token, decoded on a step
         # of its own, and carry the logits it produced: a key of their own keeps
         # them apart from any entry of the same tokens that ends a reply (which
@@ -246,8 +252,28 @@ class PrefixCache:
         return self.mode.looks_up and lane.request.lookup
 
     def plan(self, lane: Lane) -> Hit:
-        """What the lane would reuse, from where, and why not more. Changes nothing."""
-        return self.tiers.plan(self._query(lane))
+        """What the lane would reuse, from where, and why not more. Changes nothing.
+
+        A sliding-window model reuses a leading part of a resident entry only
+        while the entry still holds the window before the part's end (llama.cpp
+        hands older window cells to later decodes); failing that, an entry that
+        ends there or earlier serves.
+        """
+        query = self._query(lane)
+        hit = self.tiers.plan(query)
+        if self.family.memory is Memory.SLIDING_WINDOW and not self._window_held(hit):
+            hit = self.tiers.plan(replace(query, whole_entries=True, short_why=Why.WINDOW))
+        return hit
+
+    def _window_held(self, hit: Hit) -> bool:
+        if hit.source is not Source.RESIDENT or hit.page_id is None:
+            return True
+        entry = self.tiers.resident.peek(hit.page_id)
+        assert entry is not None, f"planned resident page {hit.page_id} is gone"
+        if hit.length >= entry.token_count:
+            return True  # an entry's own end: its window is never handed out
+        # The next position attends to the `n_swa - 1` positions before it.
+        return self.pool.ctx.seq_pos_min(entry.seq_id) <= max(hit.length - self.family.n_swa + 1, 0)
 
     def _query(self, lane: Lane) -> Query:
         request = lane.request
@@ -256,7 +282,7 @@ class PrefixCache:
         whole = lane.prompt_identity if refused is None else None
         kernels = lane.kernels if self.deterministic else None
         return Query(lane.space, prefix, whole=whole, kernels=kernels, chunks=lane.chunk_ids,
-                     tails=lane.tail_ids, refused=refused)
+                     tails=lane.tail_ids, refused=refused, whole_entries=self.family.whole_entries)
 
     def apply(self, hit: Hit, lane: Lane) -> Hit:
         """Put the hit on the lane's (empty) sequence; returns what is on it.
@@ -323,9 +349,21 @@ class PrefixCache:
             # Only a whole hit carries logits.
             restored = lane.prompt_identity if hit.whole else prefix_identity(lane.space, lane.prompt[: hit.length])
             self._record(lane, restored, hit.logits)
+        if self.family.checkpoints and not hit.whole:
+            # Cut where the checkpoints are whether or not they are recorded: a recurrent layer's
+            # floats depend on where its steps start, so a cache-off run cuts there too.
+            floor = max(hit.length, self.tiers.min_tokens - 1)
+            lengths = self.policy.record_candidate_token_counts(len(lane.prompt))
+            lane.checkpoints = tuple(sorted(n for n in lengths if floor < n < lane.prefill_end))
         if not (self.mode.records and lane.request.record) or hit.whole:
             return
         lane.whole_prompt = lane.prompt_identity
+
+    def checkpoint(self, lane: Lane) -> None:
+        """The lane's prefill reached one of its checkpoints: record its state there, where the lane
+        is (a recurrent state exists only at a sequence's end; a window is whole only there)."""
+        if self.mode.records and lane.request.record:
+            self._record(lane, prefix_identity(lane.space, lane.prompt[: lane.n_past]))
 
     # -- records ---------------------------------------------------------------------
 

@@ -133,7 +133,7 @@ class FreePlacement:
 class AlignedPlacement:
     """Deterministic mode: prompt blocks on the grid, every lane's cells in position order."""
 
-    def __init__(self, pool: CellPool, pad_seq: int, layout: Layout) -> None:
+    def __init__(self, pool: CellPool, pad_seq: int, layout: Layout | tuple[Layout, ...]) -> None:
         self.pool = pool
         self.pad_seq = pad_seq
         self.layout = layout

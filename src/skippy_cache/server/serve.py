@@ -80,6 +80,7 @@ def startup_report(engine: Engine, settings: ServerSettings, chat: ChatFormatter
         f"            {info.description}, architecture {model.architecture}, id {model.model_id}",
         f"            digest {model.digest}, chat template: {chat.template.origin}",
         f"            ({chat.caps.describe()})",
+        f"  memory    {info.family.describe()}",
         f"  weights   {weights_line(info)}",
         f"  pool      n_ctx {info.n_ctx} cells, {info.lanes} lanes, {info.threads} threads, "
         f"n_seq_max {budgets.n_seq_max}, n_batch {info.n_batch}, "
