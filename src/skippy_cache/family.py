@@ -16,10 +16,10 @@ are exact state for a shorter prefix only in the first:
   and recurrent layers; the recurrent part decides, as above.
 
 Entries of the last three kinds are therefore recorded where the lane is,
-at the lengths the cache looks up (the record grid during prefill, the whole
-prompt, the end of a reply): checkpoints, each whole state at exactly its
-length. This module is pure: the runtime asks llama.cpp what the model is and
-applies the rule.
+at the lengths the cache looks up (the record grid during prefill, where a
+system message ends, the whole prompt, the end of a reply): checkpoints, each
+a whole state at exactly its length, and stored whole. This module is pure:
+the runtime asks llama.cpp what the model is and applies the rule.
 """
 
 from __future__ import annotations
@@ -96,18 +96,18 @@ class Family:
     @property
     def chunked(self) -> bool:
         """The exported state is rows per token that chunks can be cut from and joined again
-        (stateformat.py); the other kinds stay resident only."""
+        (stateformat.py); the store keeps the other kinds' states whole, restorable at their length."""
         return self.memory is Memory.ATTENTION
 
     def describe(self) -> str:
         """One line for the startup block: the memory and what reuse it gets."""
         if self.memory is Memory.ATTENTION:
-            return "attention: any cached prefix is reused"
+            return "attention: any cached prefix is reused; stored as chunks of token rows"
         if self.memory is Memory.SLIDING_WINDOW:
-            return (f"sliding window of {self.n_swa}: a prefix is reused where the window before its end is "
-                    "held, else from a checkpoint (an entry ending there); resident only")
+            return (f"sliding-window of {self.n_swa}: a prefix is reused where the window before its end is "
+                    "held, else from a checkpoint (an entry ending there); stored as whole states")
         return (f"{self.memory.value}: reused only at checkpoints (the record grid, whole prompts, reply ends), "
-                "where the recurrent state was saved; resident only")
+                "where the recurrent state was saved; stored as whole states")
 
 
 def resolve_mode(

@@ -326,6 +326,13 @@ class CacheTiers:
                 continue
             key = (length, source is Source.RESIDENT, match.page_id)
             best = key if best is None or key[:2] > best[:2] else best
+        # A whole state found by name (written before a restart, or by another replica) ends
+        # where its entry did: the store names no shorter part of it.
+        found = self._named(query)
+        if found.length >= max(self.min_tokens, 1) and (best is None or found.length > best[0]):
+            shared = max(shared, found.length)
+            return replace(found, why=reuse_why(found.length, len(query.tokens)) if found.length >= shared
+                           else query.short_why)
         if best is None:
             return Hit.miss(query.short_why if shared else Why.NEVER_SEEN)
         length, resident, page_id = best

@@ -36,7 +36,7 @@ def test_rules_per_memory_kind():
     for f in (recurrent, hybrid):
         assert not f.any_prefix and f.whole_entries and f.checkpoints
     assert [f.chunked for f in (attention, window, recurrent, hybrid)] == [True, False, False, False]
-    assert "512" in window.describe() and "checkpoints" in hybrid.describe()
+    assert "512" in window.describe() and "checkpoints" in hybrid.describe() and "whole states" in hybrid.describe()
 
 
 @pytest.mark.parametrize("memory", list(Memory))

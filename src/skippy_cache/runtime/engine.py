@@ -151,11 +151,7 @@ class Engine:
         self.pool = CellPool(self.ctx, whole_entries=family.whole_entries)
         # The warm-up's one-token state also names the KV layout every stored chunk is cut in.
         warm_state = self.pool.warm_up(max(self.model.bos, 0))
-        if family.chunked:
-            store, store_note = open_store(config, warm_state)
-        else:
-            store, store_note = None, (f"no state store: a {family.memory.value} model's state is not cut into "
-                                       "chunks yet; its entries stay resident only")
+        store, store_note = open_store(config, warm_state, family)
         if store_note:
             log.warning("%s", store_note)
         resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100)

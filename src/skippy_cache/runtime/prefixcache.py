@@ -45,6 +45,7 @@ from skippy_cache.exact import Kernels, rows_key
 from skippy_cache.family import Family, Memory
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities, prefix_identity
 from skippy_cache.misses import MissBook, age_bucket, lengths
+from skippy_cache.placement import ALIGN
 from skippy_cache.resident import ResidentCacheError, ResidentEviction
 from skippy_cache.runtime.costs import RestoreCosts
 from skippy_cache.runtime.lane import Lane
@@ -184,6 +185,10 @@ class PrefixCache:
         `max_tokens` without its last token: its end or one before.
         """
         ends = {n for _, end in lane.request.replies for n in (end - 1, end)}
+        if self.family.checkpoints:
+            # Where this prompt's own checkpoints would be: another process's entries of a prompt
+            # that starts alike ended there too.
+            ends.update(self.policy.candidate_token_counts(lane.prefill_end))
         return self._off_grid(lane, ends.union(lane.request.prefix_ends), lane.prefill_end)
 
     def _off_grid(self, lane: Lane, ends: Iterable[int], limit: int) -> list[int]:
@@ -198,7 +203,9 @@ class PrefixCache:
         floor = max(self.tiers.min_tokens, 1)
         kept = {n for n in ends if floor <= n <= limit and n % c}
         if self.deterministic:
-            kept = {n for n in kept if lane.kernels.row_by_row(n)}
+            # A whole state may also end on a block boundary, where a tiled chunk resumes.
+            aligned = self.store.whole_states
+            kept = {n for n in kept if lane.kernels.row_by_row(n) or aligned and n % ALIGN == 0}
         return sorted(kept)
 
     @property
@@ -266,8 +273,11 @@ class PrefixCache:
         return hit
 
     def _window_held(self, hit: Hit) -> bool:
-        if hit.source is not Source.RESIDENT or hit.page_id is None:
-            return True
+        if hit.page_id is None:
+            return True  # found by name: a whole state, at its own end
+        if hit.source is not Source.RESIDENT:
+            # A stored state holds only the window before its own end.
+            return hit.length >= (self.tiers.index.token_count(hit.page_id) or 0)
         entry = self.tiers.resident.peek(hit.page_id)
         assert entry is not None, f"planned resident page {hit.page_id} is gone"
         if hit.length >= entry.token_count:
@@ -353,7 +363,7 @@ class PrefixCache:
             # Cut where the checkpoints are whether or not they are recorded: a recurrent layer's
             # floats depend on where its steps start, so a cache-off run cuts there too.
             floor = max(hit.length, self.tiers.min_tokens - 1)
-            lengths = self.policy.record_candidate_token_counts(len(lane.prompt))
+            lengths = {*self.policy.record_candidate_token_counts(len(lane.prompt)), *lane.request.prefix_ends}
             lane.checkpoints = tuple(sorted(n for n in lengths if floor < n < lane.prefill_end))
         if not (self.mode.records and lane.request.record) or hit.whole:
             return
@@ -376,7 +386,7 @@ class PrefixCache:
             return
         self._record(lane, lane.whole_prompt, logits)
         lane.whole_prompt = None
-        if self.store is not None:
+        if self.store is not None and not self.family.checkpoints:  # checkpoints recorded them on the way
             for end in self._off_grid(lane, lane.request.prefix_ends, len(lane.prompt) - 1):
                 self._record(lane, prefix_identity(lane.space, lane.prompt[:end]))
 

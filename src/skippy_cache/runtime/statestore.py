@@ -19,6 +19,13 @@ only after it left the pool is copied there from RAM (`make_durable`). The
 chunks of the others live in RAM, and leave it for good when its LRU needs
 the room. Disk I/O thus follows reuse, and a restart keeps what was reused.
 
+A model whose state is not rows per token (sliding window: the window
+layers' cells before the window are not exported; recurrent and hybrid: one
+state at the sequence's end, family.py) has no layout to cut by: each page is
+then one piece, its tail, holding the whole exported state (a checkpoint),
+restorable only at its own length. Named like any tail, it is found by name
+after a restart and through the shared tier as a tail is.
+
 Threads: the engine thread calls everything public (`put` hands over an
 export; `available`, `probe` and `whole_logits` answer the plan; `fetch`
 reads the chunks of a restore). The writer thread parses, cuts, seals
@@ -50,6 +57,7 @@ from skippy_cache.chunks import Chunk, ChunkError, chunk_key, seal, tail_key, un
 from skippy_cache.chunkstore import ChunkStore, Tier, slower
 from skippy_cache.diskchunks import DiskChunks
 from skippy_cache.exact import Kernels, rows_key
+from skippy_cache.family import Family
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities
 from skippy_cache.placement import ALIGN
 from skippy_cache.runtime.info import EngineConfig, default_host_cache_bytes
@@ -104,25 +112,35 @@ class Fetched:
     logits: np.ndarray | None
 
 
+#: The chunk size of a store of whole states (`StateStore.whole_states`): larger than any sequence,
+#: so every page is its tail alone.
+WHOLE_STATE_TOKENS = 1 << 31
+
+
 class StateStore:
     def __init__(
         self,
         chunks: ChunkStore,
-        layout: Layout,
+        layout: Layout | str,
         chunk_tokens: int,
         *,
         max_pending_bytes: int,
         remote: RemoteChunks | None = None,
     ) -> None:
+        """`layout`: the layout states are cut by, or for states that cannot be cut, a name of their
+        format (each page is then kept whole)."""
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.chunks = chunks
-        self.layout = layout
+        self.layout = layout if isinstance(layout, Layout) else None
+        if self.layout is None:
+            chunk_tokens = WHOLE_STATE_TOKENS
         # Chunks are named by the prefix at their end, and what rows a chunk holds depends on the
         # chunk size too: a chunk ending at token 256 holds [0, 256) with C=256 but [192, 256) with
         # C=64. The size is part of every name, so a store (on disk, or a replica on the shared
         # tier) cut with another size can never hand its chunks to this one.
-        self.layout_id = f"{layout.fingerprint()}/chunk-tokens={chunk_tokens}"
+        fingerprint = layout.fingerprint() if isinstance(layout, Layout) else f"whole-state/{layout}"
+        self.layout_id = f"{fingerprint}/chunk-tokens={chunk_tokens}"
         self.chunk_tokens = chunk_tokens
         self.max_pending_bytes = max_pending_bytes
         #: The shared tier, if any: written behind the writer, read by `prefetch`.
@@ -176,6 +194,11 @@ class StateStore:
         for bounds, at in groups.items():
             named.update(prefix_identities(rows_key(space, bounds), tokens[: at[-1]], at))
         return tuple(named[n] for n in lengths)
+
+    @property
+    def whole_states(self) -> bool:
+        """Each page is one piece, the whole exported state, restorable only at its own length."""
+        return self.layout is None
 
     def _chunk_keys(self, ids: Sequence[PrefixIdentity]) -> list[str]:
         return [chunk_key(i.page_id, self.layout_id) for i in ids]
@@ -386,6 +409,11 @@ class StateStore:
             length = min(n, start + sum(p.tokens for p in pieces))
         if length == start:
             return None
+        if self.layout is None:
+            # A whole state restores at its own length or not at all.
+            if len(pieces) != 1 or pieces[0].tokens != n or (hit.whole and pieces[0].logits is None):
+                return None
+            return Fetched(pieces[0].payload, 0, n, n, source, _logits(pieces[0].logits) if hit.whole else None)
         try:
             payload = join(self.layout, [p.payload for p in pieces], length - start, start=start)
         except StateFormatError:
@@ -593,16 +621,19 @@ class StateStore:
             self._release(page_id)
 
     def _write(self, page_id: PageId, page: Page, payload: bytes | bytearray, *, urgent: bool = False) -> None:
-        state = parse(payload)
-        if state.n_tokens != page.token_count:
-            raise StateFormatError(f"export holds {state.n_tokens} tokens, its entry {page.token_count}")
-        pieces = split(state, self.chunk_tokens)
+        if self.layout is None:
+            pieces = [bytes(payload)]
+        else:
+            state = parse(payload)
+            if state.n_tokens != page.token_count:
+                raise StateFormatError(f"export holds {state.n_tokens} tokens, its entry {page.token_count}")
+            pieces = split(state, self.chunk_tokens)
         assert len(pieces) == len(page.chunk_keys) + 1, "the tail is the last piece"
         names = [*page.chunk_keys, page.tail_key]
         ahead: list[tuple[str, bytes]] = []
         for i, (key, rows) in enumerate(zip(names, pieces, strict=True)):
             logits = page.logits if key == page.tail_key else None
-            tokens = state.n_tokens - i * self.chunk_tokens if key == page.tail_key else self.chunk_tokens
+            tokens = page.token_count - i * self.chunk_tokens if key == page.tail_key else self.chunk_tokens
             with self._cv:
                 if self.chunks.share(key, len(rows)):
                     continue  # held already: counted as shared, nothing to write
@@ -662,23 +693,31 @@ def _logits(stored: bytes | None) -> np.ndarray | None:
     return np.frombuffer(stored, dtype=np.float32).copy() if stored is not None else None
 
 
-def open_store(config: EngineConfig, warm_state: bytes | bytearray) -> tuple[StateStore | None, str | None]:
+def open_store(
+    config: EngineConfig, warm_state: bytes | bytearray, family: Family | None = None
+) -> tuple[StateStore | None, str | None]:
     """The store an engine's config asks for, and why there is none (or no shared tier) when one was asked for.
 
     `warm_state` is any sequence's exported state: its layout is the one every
-    chunk is cut in. A disk tier whose directory another process holds raises
-    `CacheDirBusy`, one that cannot be created or written `StartupError` (the
-    server refuses to start, with that message).
+    chunk is cut in (a model whose state is not rows per token keeps whole
+    states, named by its kind of memory and the state's size for one token).
+    A disk tier whose directory another process holds raises `CacheDirBusy`,
+    one that cannot be created or written `StartupError` (the server refuses to
+    start, with that message).
     """
     ram = default_host_cache_bytes() if config.host_cache_bytes is None else config.host_cache_bytes
     if ram <= 0 and config.cache_dir is None:
         return None, _no_remote(config, "the RAM and disk tiers are off")
     if config.chunk_tokens <= 0 or config.chunk_tokens % ALIGN:
         raise ValueError(f"chunk_tokens must be a positive multiple of {ALIGN}, got {config.chunk_tokens}")
-    try:
-        layout = parse(warm_state).layout
-    except StateFormatError as exc:
-        return None, f"no state store: this model's KV state cannot be cut into chunks ({exc})"
+    layout: Layout | str
+    if family is not None and not family.chunked:
+        layout = f"{family.memory.value}/{len(warm_state)}"
+    else:
+        try:
+            layout = parse(warm_state).layout
+        except StateFormatError as exc:
+            return None, f"no state store: this model's KV state cannot be cut into chunks ({exc})"
     disk = None
     if config.cache_dir is not None:
         try:
