@@ -83,3 +83,22 @@ def test_an_exact_repeat_restored_from_the_store_equals_cache_off(gemma_on, gemm
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"]
     assert again["choices"][0]["message"]["content"] == first.choices[0].message.content
     assert again["choices"][0]["message"]["content"] == cold.choices[0].message.content
+
+
+def test_the_system_message_end_is_a_checkpoint_though_the_template_folds_it(gemma_on):
+    """Gemma's template has no system role: the system text opens the first user turn. The prompt
+    still marks where it ends, and the cache records a checkpoint there, which the next question
+    to the same system message reuses."""
+    client = gemma_on.openai()
+    system = {"role": "system", "content": SYSTEM + " Answer briefly."}
+    first = client.chat.completions.create(model="m", max_tokens=1, temperature=0,
+                                           messages=[system, {"role": "user", "content": "Which way?"}])
+    n = first.usage.prompt_tokens
+    ends = {e.token_count for e in gemma_on.engine.cache.tiers.resident.entries()}
+    system_end = max((t for t in ends if n - 30 < t < n - 1), default=None)
+    assert system_end is not None, (n, sorted(ends))
+    second = client.chat.completions.create(model="m", max_tokens=1, temperature=0,
+                                            messages=[system, {"role": "user", "content": "How far is the sea?"}])
+    # All of it where this prompt's rows from there on are computed one at a time (exact mode), else
+    # the block boundary below it.
+    assert second.usage.prompt_tokens_details.cached_tokens >= system_end - 63

@@ -109,12 +109,16 @@ class PromptBuilder:
         system message rendered on its own (empty: no system message, or nothing after it)."""
         if len(messages) < 2 or messages[0].role not in ("system", "developer"):
             return ()
+        alone = list(messages[:1])
+        if not self.chat.caps.system_role:
+            # A template that refuses a system role gets it as the first user turn's opening
+            # (`ChatFormatter.render`): that turn with nothing after the system text.
+            alone.append(ChatMessage(role="user", content=""))
         try:
-            text = self.chat.render(messages[:1], tools)
+            text = self.chat.render(alone, tools)
         except ChatTemplateError:
             return ()  # a template may refuse a system message alone: nothing is marked
-        alone = self._tokenize(text, not self.chat.starts_with_bos(text))
-        end = shared_length(alone, tokens)
+        end = shared_length(self._tokenize(text, not self.chat.starts_with_bos(text)), tokens)
         return (end,) if 0 < end < len(tokens) else ()
 
     def _tokenize(self, text: str, add_special: bool) -> list[int]:
