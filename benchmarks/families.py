@@ -68,8 +68,9 @@ def measure(name: str, path: Path) -> dict[str, object]:
             reused.append(warm.stats.cached_tokens)
             diff = max(diff, float(np.abs(warm.first_logits - cold.first_logits).max()))
 
+        ask(on, tokens(on, 1000, seed=4))
+
         def state_bytes() -> int:
-            ask(on, tokens(on, 1000, seed=4))
             entry = max(on.cache.tiers.resident.entries(), key=lambda x: x.token_count)
             return len(on.pool.export(entry.seq_id)) * 1000 // entry.token_count
 
