@@ -70,15 +70,6 @@ class Family:
         return cls(architecture, memory, n_swa if n_swa > 0 else 0)
 
     @property
-    def refusal(self) -> str | None:
-        """Why the server will not serve this architecture at all (None: it will)."""
-        name = REFUSED.get(self.architecture)
-        if name is None:
-            return None
-        return (f"architecture {self.architecture!r} ({name}) is not supported: llama.cpp does not run it "
-                "reliably (its own tests hang on it); use another model")
-
-    @property
     def any_prefix(self) -> bool:
         """Any leading part of an entry is exact state (attention only)."""
         return self.memory is Memory.ATTENTION
@@ -108,6 +99,16 @@ class Family:
                     "held, else from a checkpoint (an entry ending there); stored as whole states")
         return (f"{self.memory.value}: reused only at checkpoints (the record grid, whole prompts, reply ends), "
                 "where the recurrent state was saved; stored as whole states")
+
+
+def refusal(architecture: str) -> str | None:
+    """Why the server will not serve a GGUF of this architecture at all (None: it will), known
+    before the model loads."""
+    name = REFUSED.get(architecture)
+    if name is None:
+        return None
+    return (f"architecture {architecture!r} ({name}) is not supported: llama.cpp does not run it reliably "
+            "(its own tests hang on it); use another model")
 
 
 def resolve_mode(

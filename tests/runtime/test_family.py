@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from skippy_cache.config import StageKvCacheMode, StageKvCachePayload
-from skippy_cache.family import REFUSED, Family, Memory, resolve_mode
+from skippy_cache.family import REFUSED, Family, Memory, refusal, resolve_mode
 
 
 def family(memory: Memory, n_swa: int = 0) -> Family:
@@ -63,6 +63,6 @@ def test_disabled_stays_disabled():
 
 @pytest.mark.parametrize("architecture", sorted(REFUSED))
 def test_rwkv_is_refused_with_a_reason(architecture):
-    why = Family.of(architecture, recurrent=True, hybrid=False, n_swa=0).refusal
+    why = refusal(architecture)
     assert why is not None and architecture in why and "not supported" in why
-    assert Family.of("mamba2", recurrent=True, hybrid=False, n_swa=0).refusal is None
+    assert refusal("mamba2") is None

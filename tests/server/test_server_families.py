@@ -102,3 +102,44 @@ def test_the_system_message_end_is_a_checkpoint_though_the_template_folds_it(gem
     # All of it where this prompt's rows from there on are computed one at a time (exact mode), else
     # the block boundary below it.
     assert second.usage.prompt_tokens_details.cached_tokens >= system_end - 63
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A tiny random-weight hybrid (lfm2: convolution and attention layers) behind the live server."""
+    from tinymodels import build
+
+    model = build("lfm2", tmp_path_factory.mktemp("hybrid") / "tiny-lfm2.gguf")
+    yield from run_own_server(ServerSettings(model=model, ctx_size=2048, lanes=2, queue_size=16,
+                                             host_cache_mib=64))
+
+
+def test_a_hybrid_under_concurrent_chats_streams_and_abandoned_streams_answers_every_request(hybrid):
+    import asyncio
+
+    async def chat(client, i: int) -> int:
+        messages = [{"role": "system", "content": SYSTEM[: 300 + 40 * (i % 3)]},
+                    {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        if i % 4 == 3:  # a client that goes away mid-stream
+            stream = await client.chat.completions.create(model="m", messages=messages, max_tokens=40, stream=True)
+            async for _ in stream:
+                break
+            await stream.close()
+            return 0
+        reply = await client.chat.completions.create(model="m", messages=messages, max_tokens=8 + i % 5)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    async def everyone() -> list[int]:
+        client = hybrid.async_openai()
+        return await asyncio.gather(*(chat(client, i) for i in range(16)))
+
+    cached = asyncio.run(everyone())
+    hybrid.wait_idle()
+    assert hybrid.engine.alive and hybrid.engine.stats().decode_failures == 0
+    # Prompts repeat a system message of three lengths: later ones start from a checkpoint.
+    assert sum(1 for n in cached if n > 0) >= 4, cached
+    explained = hybrid.http().post("/v1/cache/explain", json={"model": "m", "messages": [
+        {"role": "system", "content": SYSTEM[:300]}, {"role": "user", "content": QUESTIONS[0]}]}).json()
+    answer = explained["skippy_cache"]
+    assert answer["matched_tokens"] == answer["prompt_tokens"], answer  # an exact repeat
+    assert "skippy_cache_hits" in hybrid.http().get("/metrics").text

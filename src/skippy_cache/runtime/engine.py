@@ -39,7 +39,7 @@ from typing import TypeVar
 import numpy as np
 
 from skippy_cache.config import PrefixCandidatePolicy, ResidentCacheConfig, StageConfig
-from skippy_cache.family import Family, resolve_mode
+from skippy_cache.family import Family, refusal, resolve_mode
 from skippy_cache.identity import IdentityKey
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.runtime.batching import BatchBuilder, Planned
@@ -81,7 +81,7 @@ from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.runtime.textstream import TextStream
 from skippy_cache.runtime.weightprobe import layout_for
-from skippy_cache.stateformat import parse_sections
+from skippy_cache.stateformat import Layout, StateFormatError, parse_sections
 from skippy_cache.tiers import CacheTiers
 from skippy_cache.weights import weight_layout_name
 
@@ -102,7 +102,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, *, start: bool = True) -> None:
         self.config = config = config or EngineConfig()
         gguf = read_gguf_info(config.model_path or default_model_path())
-        refused = Family.of(gguf.architecture, recurrent=False, hybrid=False, n_swa=0).refusal
+        refused = refusal(gguf.architecture)
         if refused is not None:
             raise ModelFileError(f"--model {gguf.path}: {refused}")
         # Checked in a child process before this one loads anything: a layout that
@@ -169,10 +169,9 @@ class Engine:
         # Placement pads are imported states of zeroed KV rows (steering.py), which attention and
         # sliding-window caches have; recurrent memories get grid-aligned chunks and lone prefill
         # steps, not steered cells.
-        steered = det and not family.whole_entries
-        layouts = tuple(section.layout for section in parse_sections(warm_state)) if steered else ()
+        layouts = self._pad_layouts(warm_state) if det and not family.whole_entries else None
         self.placement: Placement = (AlignedPlacement(self.pool, self._builder.pad_seq, layouts)
-                                     if steered else FreePlacement())
+                                     if layouts is not None else FreePlacement())
         # Both modes demote idle entries (`idle_tokens`): every resident cell
         # widens the KV view that each row of each step walks, and a stream of
         # distinct prompts otherwise keeps the view twice as wide as its lanes
@@ -246,6 +245,16 @@ class Engine:
     @property
     def n_ctx(self) -> int:
         return self.info.n_ctx
+
+    @staticmethod
+    def _pad_layouts(warm_state: bytes | bytearray) -> tuple[Layout, ...] | None:
+        """The KV layouts placement pads are made of, read from a one-token state; None for a state
+        this build cannot read (M-RoPE cells, say): exact mode then goes without steered cells."""
+        try:
+            return tuple(section.layout for section in parse_sections(warm_state))
+        except StateFormatError as exc:
+            log.warning("exact mode without placement pads: this model's KV state cannot be read (%s)", exc)
+            return None
 
     # -- the caller's side ---------------------------------------------------
 
