@@ -25,7 +25,6 @@ Run as a script to build all of them into a directory:
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import sys
 import time
@@ -176,14 +175,7 @@ WEIGHT_STD = 0.05
 #: Whole words reachable through their "▁"-prefixed prefixes (every prefix is a
 #: token, so SPM merges walk to the word), making ordinary English a few tokens
 #: shorter than its bytes, as with a real tokenizer.
-_WORDS = (
-    "the of and to in is you that it he was for on are as with his they at be this have from or "
-    "one had by word but not what all were we when your can said there use an each which she do "
-    "how their if will up other about out many then them these so some her would make like him "
-    "into time has look two more write go see number no way could people my than first water "
-    "been call who its now find long down day did get come made may part hello world cache "
-    "token model prefix"
-).split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "you", "that", "it", "he", "was", "for", "on", "are", "as", "with", "his", "they", "at", "be", "this", "have", "from", "or", "one", "had", "by", "word", "but", "not", "what", "all", "were", "we", "when", "your", "can", "said", "there", "use", "an", "each", "which", "she", "do", "how", "their", "if", "will", "up", "other", "about", "out", "many", "then", "them", "these", "so", "some", "her", "would", "make", "like", "him", "into", "time", "has", "look", "two", "more", "write", "go", "see", "number", "no", "way", "could", "people", "my", "than", "first", "water", "been", "call", "who", "its", "now", "find", "long", "down", "day", "did", "get", "come", "made", "may", "part", "hello", "world", "cache", "token", "model", "prefix"]
 
 TOKEN_UNK, TOKEN_BOS, TOKEN_EOS = 0, 1, 2
 # llama.cpp's llama_token_type values.

@@ -67,7 +67,7 @@ class Family:
             memory = Memory.SLIDING_WINDOW
         else:
             memory = Memory.ATTENTION
-        return cls(architecture, memory, n_swa if n_swa > 0 else 0)
+        return cls(architecture, memory, max(0, n_swa))
 
     @property
     def any_prefix(self) -> bool:

@@ -335,7 +335,7 @@ class CacheTiers:
                            else query.short_why)
         if best is None:
             return Hit.miss(query.short_why if shared else Why.NEVER_SEEN)
-        length, resident, page_id = best
+        length, _, page_id = best
         why = reuse_why(length, len(query.tokens)) if length >= shared else query.short_why
         return Hit(self.source_of(page_id), page_id, length, why)
 

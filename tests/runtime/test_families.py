@@ -11,7 +11,6 @@ hybrid's entry gives the recurrent state of the entry's end.
 from __future__ import annotations
 
 import random
-from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,6 +145,7 @@ def test_a_chat_reuses_each_reply_and_equals_cache_off(pair):
     on.clear_cache()
     history = words(on, 200, seed=10 + len(arch))
     replies: tuple[tuple[int, int], ...] = ()
+    previous = 0
     for turn in range(4):
         # The replies are marked as a chat request marks them: exact mode computes their rows one
         # at a time, as they were generated.

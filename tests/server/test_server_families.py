@@ -56,6 +56,7 @@ def test_gemma3_starts_and_says_it_has_a_sliding_window(gemma_on):
 def test_a_chat_past_the_window_equals_cache_off_and_reuses_each_turn(gemma_on, gemma_off):
     on, off = gemma_on.openai(), gemma_off.openai()
     history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    previous = 0
     for turn, question in enumerate(QUESTIONS):
         history.append({"role": "user", "content": question})
         warm = on.chat.completions.create(model="m", messages=history, max_tokens=24, temperature=0)

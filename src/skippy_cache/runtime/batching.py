@@ -9,7 +9,6 @@ from skippy_cache.prefill import next_chunk_end, step_rows
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.native import Batch
 
-
 #: Rows computed one at a time cost each the same whatever else shares their step, so a lane's rows
 #: that join another's step only hold back that lane's first token. Other lanes' rows top up a step
 #: only to this many rows: in so short a step, the cost every step pays once (reading the weights)

@@ -45,7 +45,14 @@ from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.runtime.batching import BatchBuilder, Planned
 from skippy_cache.runtime.gguf_info import ModelFileError, default_model_path, read_gguf_info
 from skippy_cache.runtime.inflight import InflightJoins
-from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolAudit, PoolView, available_cores
+from skippy_cache.runtime.info import (
+    EngineConfig,
+    EngineInfo,
+    EngineStats,
+    PoolAudit,
+    PoolView,
+    available_cores,
+)
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.logprobs import token_logprobs
 from skippy_cache.runtime.native import (
@@ -60,8 +67,6 @@ from skippy_cache.runtime.native import (
 )
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.runtime.prefixcache import Explanation, PrefixCache
-from skippy_cache.runtime.startup import StartupError
-from skippy_cache.runtime.statestore import open_store
 from skippy_cache.runtime.requests import (
     Completion,
     DoneEvent,
@@ -78,6 +83,8 @@ from skippy_cache.runtime.requests import (
     validate_request,
 )
 from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
+from skippy_cache.runtime.startup import StartupError
+from skippy_cache.runtime.statestore import open_store
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.runtime.textstream import TextStream
 from skippy_cache.runtime.weightprobe import layout_for

@@ -12,8 +12,8 @@ import numpy as np
 from skippy_cache.exact import Kernels, kernels
 from skippy_cache.identity import PrefixIdentity
 from skippy_cache.runtime.native import Sampler
-from skippy_cache.runtime.requests import EventSink, GenerationRequest, RequestHandle, RequestStats
 from skippy_cache.runtime.remote import Prefetched
+from skippy_cache.runtime.requests import EventSink, GenerationRequest, RequestHandle, RequestStats
 from skippy_cache.runtime.textstream import TextStream
 
 

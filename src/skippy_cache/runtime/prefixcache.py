@@ -50,8 +50,8 @@ from skippy_cache.resident import ResidentCacheError, ResidentEviction
 from skippy_cache.runtime.costs import RestoreCosts
 from skippy_cache.runtime.lane import Lane
 from skippy_cache.runtime.pool import CellPool
-from skippy_cache.runtime.requests import GenerationRequest
 from skippy_cache.runtime.remote import Prefetched
+from skippy_cache.runtime.requests import GenerationRequest
 from skippy_cache.runtime.statestore import StateStore
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why, reuse_why

@@ -609,7 +609,7 @@ class StateStore:
                 continue
             try:
                 self._write(page_id, page, payload, urgent=urgent)
-            except Exception:  # noqa: BLE001 - one bad export must not stop the writer
+            except Exception:
                 log.exception("store: could not store an exported state; its entry is lost")
                 with self._cv:
                     self._lost.append(page_id)
