@@ -330,9 +330,7 @@ class CacheTiers:
         # where its entry did: the store names no shorter part of it.
         found = self._named(query)
         if found.length >= max(self.min_tokens, 1) and (best is None or found.length > best[0]):
-            shared = max(shared, found.length)
-            return replace(found, why=reuse_why(found.length, len(query.tokens)) if found.length >= shared
-                           else query.short_why)
+            return found
         if best is None:
             return Hit.miss(query.short_why if shared else Why.NEVER_SEEN)
         length, _, page_id = best

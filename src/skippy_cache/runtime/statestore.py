@@ -139,7 +139,7 @@ class StateStore:
         # chunk size too: a chunk ending at token 256 holds [0, 256) with C=256 but [192, 256) with
         # C=64. The size is part of every name, so a store (on disk, or a replica on the shared
         # tier) cut with another size can never hand its chunks to this one.
-        fingerprint = layout.fingerprint() if isinstance(layout, Layout) else f"whole-state/{layout}"
+        fingerprint = self.layout.fingerprint() if self.layout is not None else f"whole-state/{layout}"
         self.layout_id = f"{fingerprint}/chunk-tokens={chunk_tokens}"
         self.chunk_tokens = chunk_tokens
         self.max_pending_bytes = max_pending_bytes
@@ -609,7 +609,7 @@ class StateStore:
                 continue
             try:
                 self._write(page_id, page, payload, urgent=urgent)
-            except Exception:
+            except Exception:  # noqa: BLE001 - one bad export must not stop the writer
                 log.exception("store: could not store an exported state; its entry is lost")
                 with self._cv:
                     self._lost.append(page_id)
