@@ -15,6 +15,9 @@ from __future__ import annotations
 MASK_CELLS = 512 * 2048
 #: The smallest step `step_rows` gives: two 64-row blocks (a step of 64 rows or more stays tiled).
 MIN_STEP_ROWS = 128
+#: The largest: a 2,000-token prompt prefilled no faster in 512-row steps than in 256-row ones, and
+#: a larger step holds every request that arrives meanwhile for longer (a whole step, at worst).
+MAX_STEP_ROWS = 256
 
 
 def step_rows(view: int, capacity: int) -> int:
@@ -25,11 +28,11 @@ def step_rows(view: int, capacity: int) -> int:
     included) for every head of every layer. Once that mask falls out of the
     CPU's caches a large step costs more per row than a few small ones: on a
     wide view (a pool full of cached entries) a prompt prefills faster in
-    128-row steps than in 512-row ones, and on a narrow view the largest step
-    is still the fastest. The result is a multiple of 64, so chunks keep to
-    the block grid.
+    128-row steps than in 512-row ones, and on a narrow view 256-row steps are
+    as fast as any. The result is a multiple of 64, so chunks keep to the
+    block grid.
     """
-    rows = MASK_CELLS // max(view, 1)
+    rows = min(MASK_CELLS // max(view, 1), MAX_STEP_ROWS)
     rows -= rows % 64
     return max(min(rows, capacity), min(MIN_STEP_ROWS, capacity))
 

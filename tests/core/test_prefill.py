@@ -5,16 +5,18 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from skippy_cache.prefill import MIN_STEP_ROWS, next_chunk_end, step_rows
+from skippy_cache.prefill import MAX_STEP_ROWS, MIN_STEP_ROWS, next_chunk_end, step_rows
 
 
-def test_a_narrow_view_gets_the_whole_batch() -> None:
-    assert step_rows(0, 512) == 512
-    assert step_rows(2048, 512) == 512
+def test_a_narrow_view_gets_the_largest_step_the_batch_holds() -> None:
+    assert step_rows(0, 512) == MAX_STEP_ROWS
+    assert step_rows(2048, 512) == MAX_STEP_ROWS
+    assert step_rows(0, 192) == 192
 
 
 def test_a_wide_view_gets_smaller_steps() -> None:
     assert step_rows(4096, 512) == 256
+    assert step_rows(5000, 512) == 192
     assert step_rows(6144, 512) == MIN_STEP_ROWS
     assert step_rows(8192, 512) == MIN_STEP_ROWS
 

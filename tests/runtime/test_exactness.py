@@ -12,10 +12,12 @@ not asserted here.
 from __future__ import annotations
 
 import numpy as np
+from conftest import cache
 from exactmode import assert_bit_exact
 from prompts import make_tokens
 
-from skippy_cache.prefill import step_rows
+from skippy_cache.config import StageKvCacheMode
+from skippy_cache.runtime import Engine, EngineConfig, SamplingParams
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
 
 
@@ -72,11 +74,12 @@ def test_partial_hits_match_cache_off_bit_for_bit(exact_engine, cold_engine):
     assert not exact_engine.invariant_failures
 
 
-def test_a_prompt_prefilled_on_a_wide_view_matches_one_on_an_empty_pool(exact_engine, cold_engine):
-    # On a wide KV view a step holds fewer rows (prefill.step_rows), so this prompt's
-    # whole blocks are tiled in other chunk sizes than the cold run's on an empty pool.
-    # Entries kept widen the view. Idle ones would leave the pool during the next prefill, and a
-    # starting lane would take an unused entry's cells (steering.py): both are turned off here.
+def test_a_prompt_prefilled_beside_a_decoding_lane_and_kept_entries_matches_one_on_an_empty_pool(
+        exact_engine, cold_engine):
+    # The prompt's blocks are steered among the cells of entries kept (which widen the view) and
+    # of a lane that decodes all through its prefill; the cold run has the pool to itself. Idle
+    # entries would leave the pool during the next prefill, and a starting lane would take an
+    # unused entry's cells (steering.py): both are turned off here.
     exact_engine.clear_cache()
     idle_tokens = exact_engine.cache.idle_tokens
     exact_engine.call(lambda: setattr(exact_engine.cache, "idle_tokens", 0))
@@ -85,11 +88,13 @@ def test_a_prompt_prefilled_on_a_wide_view_matches_one_on_an_empty_pool(exact_en
         for k in range(3):
             exact_engine.generate(GenerationRequest(tokens=make_tokens(exact_engine, 1000, seed=400 + k),
                                                     max_tokens=1))
-        view = exact_engine.call(lambda: exact_engine.pool.cells.view)
-        assert step_rows(view, 512) < 512, f"a view of {view} cells is not wide enough to change the steps"
         request = GenerationRequest(tokens=make_tokens(exact_engine, 1100, seed=410), max_tokens=16,
                                     keep_first_logits=True)
-        on = exact_engine.generate(request)
+        # A short prompt goes first, then decodes (never ending early) all through the long prefill.
+        decoding = GenerationRequest(tokens=make_tokens(exact_engine, 40, seed=411), max_tokens=40,
+                                     sampling=SamplingParams(logit_bias=((exact_engine.model.eos, -1e9),)))
+        beside, on = exact_engine.generate_many([decoding, request])
+        assert beside.stats.completion_tokens == 40
     finally:
         exact_engine.call(lambda: setattr(exact_engine.cache, "idle_tokens", idle_tokens))
         exact_engine.call(lambda: delattr(exact_engine.cache, "evict_where"))
@@ -97,6 +102,18 @@ def test_a_prompt_prefilled_on_a_wide_view_matches_one_on_an_empty_pool(exact_en
     assert on.stats.cached_tokens == 0
     assert_bit_exact(on, off, "a prompt on a wide view")
     assert exact_engine.stats().placement.unaligned_steps == 0
+
+
+def test_a_prompt_tiled_in_smaller_steps_matches_one_in_larger_steps(cold_engine):
+    # A wide KV view gets smaller prefill steps (prefill.step_rows): the tiled kernel's floats
+    # must not depend on how many rows a step holds. Here the batch itself is smaller.
+    small = Engine(EngineConfig(ctx_size=4096, lanes=4, n_batch=128, cache=cache(mode=StageKvCacheMode.DISABLED),
+                                check_invariants=True))
+    try:
+        request = GenerationRequest(tokens=make_tokens(small, 1100, seed=412), max_tokens=16, keep_first_logits=True)
+        assert_bit_exact(small.generate(request), cold_engine.generate(request), "128-row steps vs 256-row steps")
+    finally:
+        small.close()
 
 
 def test_concurrent_requests_match_cache_off_one_at_a_time_bit_for_bit(exact_engine, cold_engine):

@@ -70,7 +70,9 @@ def test_the_earliest_request_gets_its_first_token_first(engine: Engine) -> None
     assert has_token(events[0]) and not any(has_token(e) for e in events[1:])
     assert [lane.n_past for lane in lanes[1:]] == [0, 0, 0]
     engine.step()
-    assert lanes[1].n_past == 199 and lanes[2].n_past == 0
+    # The first lane decodes now: the next prefill step holds `fill_tokens` rows (fast mode), so
+    # that lane's next token does not wait for a whole batch of rows.
+    assert lanes[1].n_past == engine.config.fill_tokens and lanes[2].n_past == 0
     done = run_to_end(engine)
     assert all(done[id(e)].finish_reason is FinishReason.LENGTH for e in events)
 
@@ -223,5 +225,30 @@ def test_exact_mode_computes_one_lanes_rows_before_the_next_lanes() -> None:
         engine.step()
         assert lane_of(engine, events).n_past == 63 and not has_token(events)
         run_to_end(engine)
+    finally:
+        engine.close(drain=False)
+
+
+def test_exact_mode_joins_a_running_prefill_bit_for_bit() -> None:
+    # Two tenants' requests on one new system prompt at once: the second waits for the first's
+    # rows of the shared prefix and shares them; its first-token logits equal its prompt's
+    # computed alone, bit for bit.
+    engine = Engine(EngineConfig(ctx_size=4096, lanes=4, deterministic=True, check_invariants=True), start=False)
+    try:
+        system = make_tokens(engine, 600, seed=590)
+        tails = [make_tokens(engine, 30, seed=591 + i) for i in range(2)]
+        events = [submit(engine, GenerationRequest(tokens=system + tail, max_tokens=2, keep_first_logits=True))
+                  for tail in tails]
+        engine.step()
+        assert lane_of(engine, events[1]).phase is Phase.JOIN
+        done = run_to_end(engine)
+        joined = done[id(events[1])]
+        assert (joined.stats.cache_source, joined.stats.cached_tokens) == ("inflight", 576)
+        alone = submit(engine, GenerationRequest(tokens=system + tails[1], max_tokens=2, lookup=False,
+                                                 record=False, keep_first_logits=True))
+        cold = run_to_end(engine)[id(alone)]
+        assert cold.stats.cached_tokens == 0
+        assert np.array_equal(joined.first_logits, cold.first_logits)
+        assert joined.tokens == cold.tokens
     finally:
         engine.close(drain=False)

@@ -130,3 +130,34 @@ def test_full_queue_answers_503_with_retry_after(server: LiveServer) -> None:
         t.join(120)
     assert results == [200] * queue_size
     server.wait_idle()
+
+
+def test_a_saturated_queue_answers_503_and_still_answers_what_it_took(server: LiveServer,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `--max-queue-wait` new requests are refused at once, not queued behind a queue that does not drain."""
+    server.wait_idle()
+    monkeypatch.setattr(server.engine.scheduler, "max_wait_s", 2.0)
+    results: list[int] = []
+
+    def queued_request() -> None:
+        with server.http() as http:
+            results.append(http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": SLACK * 2,
+                                                              "temperature": 0}).status_code)
+
+    with server.http() as http:
+        hog = HogStream(server, http)
+        waiting = [threading.Thread(target=queued_request) for _ in range(2)]
+        for n, thread in enumerate(waiting, 1):
+            thread.start()  # the second arrives while the first has waited less than the limit: queued too
+            wait_for(lambda n=n: server.engine.stats().queue_depth == n, f"{n} requests to wait", timeout=1.5)
+        time.sleep(2.2)
+        rejected = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert rejected.status_code == 503
+        assert int(rejected.headers["Retry-After"]) >= 1
+        error = rejected.json()["error"]
+        assert error["code"] == "queue_full" and "saturated" in error["message"]
+        hog.close()
+    for thread in waiting:
+        thread.join(120)
+    assert results == [200, 200]
+    server.wait_idle()

@@ -166,8 +166,13 @@ def test_file_types_are_checked(tmp_path: Path) -> None:
         settings(["--config", str(write(tmp_path, "port = \n"))])
     with pytest.raises(SettingsError, match=r"skippy.toml: host_cache_mib=-2 must be at least 0"):
         settings(["--config", str(write(tmp_path, "host_cache_mib = -2\n"))])
-    with pytest.raises(SettingsError, match=r"skippy.toml: idle_tokens=1.5 must be a string or an integer"):
+    with pytest.raises(SettingsError, match=r"skippy.toml: idle_tokens='1.5' is not an integer"):
         settings(["--config", str(write(tmp_path, "idle_tokens = 1.5\n"))])
+    with pytest.raises(SettingsError, match=r"skippy.toml: max_queue_wait=\[1\] must be a string or a number"):
+        settings(["--config", str(write(tmp_path, "max_queue_wait = [1]\n"))])
+    assert settings(["--config", str(write(tmp_path, "max_queue_wait = 2.5\n"))]).max_queue_wait == 2.5
+    with pytest.raises(SettingsError, match=r"--max-queue-wait=-1 must be 0 or more seconds"):
+        settings(["--max-queue-wait", "-1"])
     with pytest.raises(SettingsError, match=r"unknown setting 'cache.host_cache_mib'"):
         settings(["--config", str(write(tmp_path, "[cache]\nhost_cache_mib = 1\n"))])
     with pytest.raises(SettingsError, match="not found"):

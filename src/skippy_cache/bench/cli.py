@@ -7,19 +7,23 @@ import asyncio
 import datetime as dt
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from skippy_cache.bench.agent import planned_pairs
+from skippy_cache.bench.arrivals import ARRIVALS, DEFAULT_BURST, read_trace
 from skippy_cache.bench.client import BenchClient, Reply
+from skippy_cache.bench.curves import SLO, OpenRequest, open_goals, rate_points, render_curves, write_curves
 from skippy_cache.bench.llamaserver import ENV as LLAMA_SERVER_ENV
 from skippy_cache.bench.llamaserver import find_llama_server
+from skippy_cache.bench.openloop import DEFAULT_RATES, DEFAULT_REQUESTS, OPEN_WORKLOADS, OpenLoop, open_loop
 from skippy_cache.bench.replicas import (
     ALONE,
     CONFIGURATIONS,
@@ -33,7 +37,6 @@ from skippy_cache.bench.replicas import (
 )
 from skippy_cache.bench.report import render_replicas_table, render_table, write_chart, write_json
 from skippy_cache.bench.results import DEFAULT_RESULTS_DIR, machine, summarize, versions, write_summary
-from skippy_cache.bench.agent import planned_pairs
 from skippy_cache.bench.run import (
     AGENT,
     ALL_WORKLOADS,
@@ -47,7 +50,7 @@ from skippy_cache.bench.run import (
 )
 from skippy_cache.bench.summary import Figure, Goal, figures, goals, overheads, replica_figures, replica_goals
 from skippy_cache.bench.targets import (
-    LLAMA_SERVER,
+    LLAMA_SERVERS,
     PEER_KINDS,
     SKIPPY,
     SKIPPY_OFF,
@@ -62,6 +65,7 @@ from skippy_cache.bench.workloads import WORKLOAD_FUNCTIONS, calibrate
 #: workloads need no larger pool. Peers get the same n_ctx.
 DEFAULT_CTX_SIZE = 8192
 DEFAULT_TIMEOUT_S = 300.0
+T = TypeVar("T")
 #: 1-minute load average above which the run warns that its timings are not trustworthy.
 BUSY_LOAD = 0.5
 
@@ -85,6 +89,8 @@ class BenchConfig:
     replicas: int = DEFAULT_REPLICAS
     #: The replicas workload's servers run in fast mode (default: exact, the server's default).
     replicas_fast: bool = False
+    #: Set: an open-loop run (openloop.py) of `workloads` instead of the closed-loop workloads.
+    open_loop: OpenLoop | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +154,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "skippy-cache serve runs by default)",
     )
     parser.add_argument(
+        "--arrivals",
+        choices=ARRIVALS,
+        default=None,
+        help="open loop: requests arrive on their own clock at each --rates rate (poisson, bursts of "
+        f"--burst, or a --trace's gaps) instead of C clients each waiting for its answer; workloads "
+        f"{', '.join(OPEN_WORKLOADS)} (default all three); prints latency and goodput per rate",
+    )
+    parser.add_argument(
+        "--rates",
+        default=None,
+        metavar="R,R,...",
+        help=f"open loop: offered rates in requests per second (default {','.join(f'{r:g}' for r in DEFAULT_RATES)})",
+    )
+    parser.add_argument("--rate", type=float, default=None, help="open loop: one offered rate (as --rates R)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=DEFAULT_REQUESTS,
+        metavar="N",
+        help=f"open loop: requests per rate, workload and server (default {DEFAULT_REQUESTS})",
+    )
+    parser.add_argument("--burst", type=int, default=DEFAULT_BURST, metavar="N",
+                        help=f"--arrivals burst: requests per burst (default {DEFAULT_BURST})")
+    parser.add_argument("--trace", type=Path, default=None, metavar="PATH",
+                        help="--arrivals trace: Mooncake-format JSONL (timestamp in ms) or seconds, one per line")
+    parser.add_argument("--slo-ttft-ms", type=float, default=SLO().ttft_ms, metavar="MS",
+                        help=f"open loop: a request is good within this TTFT (default {SLO().ttft_ms:g})")
+    parser.add_argument("--slo-tpot-ms", type=float, default=SLO().tpot_ms, metavar="MS",
+                        help=f"open loop: ... and this time per output token (default {SLO().tpot_ms:g})")
+    parser.add_argument(
         "--ctx-size",
         type=int,
         default=DEFAULT_CTX_SIZE,
@@ -204,7 +240,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _open_loop(args: argparse.Namespace, workloads: list[str]) -> OpenLoop | None:
+    if args.arrivals is None:
+        if args.rates is not None or args.rate is not None or args.trace is not None:
+            raise ValueError("--rates, --rate and --trace need --arrivals")
+        return None
+    if set(workloads) - set(OPEN_WORKLOADS):
+        raise ValueError(f"--arrivals: the open loop runs {', '.join(OPEN_WORKLOADS)} only")
+    try:
+        rates = (args.rate,) if args.rate is not None else tuple(
+            float(r) for r in (args.rates or ",".join(map(str, DEFAULT_RATES))).split(",") if r.strip())
+    except ValueError:
+        raise ValueError(f"--rates {args.rates!r}: expected numbers, e.g. 0.5,1,2") from None
+    if not rates or min(rates) <= 0:
+        raise ValueError("--rates: give positive rates")
+    if args.requests < 1 or args.burst < 1:
+        raise ValueError("--requests and --burst must be at least 1")
+    if (args.arrivals == "trace") != (args.trace is not None):
+        raise ValueError("--arrivals trace and --trace PATH go together")
+    trace = read_trace(args.trace) if args.trace is not None else None
+    if trace is not None and len(trace) < 2:
+        raise ValueError(f"--trace {args.trace}: needs at least two timestamps")
+    return OpenLoop(args.arrivals, tuple(sorted(set(rates))), args.requests, args.burst, trace,
+                    SLO(args.slo_ttft_ms, args.slo_tpot_ms))
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    if args.arrivals is not None and args.workloads == ",".join(WORKLOADS):
+        args.workloads = ",".join(OPEN_WORKLOADS)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = sorted(set(workloads) - set(ALL_WORKLOADS))
     if unknown or not workloads:
@@ -248,6 +311,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         llama_server=args.llama_server,
         replicas=args.replicas,
         replicas_fast=args.replicas_fast,
+        open_loop=_open_loop(args, workloads),
     )
 
 
@@ -277,10 +341,13 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
             "is using the CPU; llama.cpp timings under contention can be 100x off (JSON: machine.load)"
         )
     log_dir = config.out_dir / f"logs-{stamp}"
+    if config.open_loop is not None:
+        return _open_bench(config, config.open_loop, specs, model, log_dir, stamp, load_before, console)
     targets: list[Target] = []
     run: Run | None = None
     if on_targets:
-        targets, run = _measure_targets(config, specs, on_targets, model, log_dir, console)
+        targets, run = _measure_targets(config, specs, model, log_dir, console,
+                                        lambda ts: _drive(config, ts, on_targets, console))
     replica_run: Run | None = None
     replica_part: dict[str, Any] | None = None
     if redis_server is not None:
@@ -357,18 +424,18 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
 def _measure_targets(
     config: BenchConfig,
     specs: list[TargetSpec],
-    workloads: list[str],
     model: Path | None,
     log_dir: Path,
     console: Console,
-) -> tuple[list[Target], Run]:
-    """Start the targets, run `workloads` on them, stop them."""
+    drive: Callable[[list[Target]], Coroutine[Any, Any, T]],
+) -> tuple[list[Target], T]:
+    """Start the targets, `drive` them, stop them."""
     console.print(
         f"[bold]skippy-cache bench[/]: starting {len(specs)} target(s) "
         f"(n_ctx {config.ctx_size}, model {model})"
     )
     llama_server = None
-    if any(s.kind == LLAMA_SERVER for s in specs):
+    if any(s.kind in LLAMA_SERVERS for s in specs):
         llama_server = find_llama_server(config.llama_server, config.out_dir, console)
     with running_targets(
         specs,
@@ -380,8 +447,8 @@ def _measure_targets(
         for t in targets:
             state = f"[red]NOT READY: {t.error}[/]" if t.error else "[green]ready[/]"
             console.print(f"  {t.label:<28} {t.url:<24} {state}", highlight=False)
-        run = asyncio.run(_drive(config, targets, workloads, console))
-    return targets, run
+        outcome = asyncio.run(drive(targets))
+    return targets, outcome
 
 
 def _replicas_table(figs: list[Figure], part: dict[str, Any], run: Run) -> Table:
@@ -429,6 +496,71 @@ async def _drive(config: BenchConfig, targets: list[Target], workloads: list[str
             for workload in workloads:
                 await WORKLOAD_FUNCTIONS[workload](run)
         return run
+
+
+def _open_bench(config: BenchConfig, plan: OpenLoop, specs: list[TargetSpec], model: Path | None, log_dir: Path,
+                stamp: str, load_before: tuple[float, float, float], console: Console) -> BenchOutcome:
+    """The open-loop run: every workload at every rate on every target; tables, goals, JSON and PNG."""
+    targets, (run, records) = _measure_targets(config, specs, model, log_dir, console,
+                                               lambda ts: _drive_open(config, plan, ts, stamp, console))
+    labels = [t.label for t in targets]
+    reference = config.reference or (SKIPPY if SKIPPY in labels else labels[0])
+    points = rate_points(records, plan.slo)
+    off = SKIPPY_OFF if SKIPPY_OFF in labels else None
+    peers = [t.label for t in targets if t.kind in PEER_KINDS or t.kind == "url"]
+    checks = open_goals(points, reference, peers, off)
+    document = {
+        "created": dt.datetime.now().isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "machine": machine(load_before, os.getloadavg(), _cores()),
+        "versions": versions(),
+        "config": {
+            "ctx_size": config.ctx_size,
+            "model": str(model) if model else None,
+            "seed": config.seed,
+            "timeout_s": config.timeout_s,
+            "workloads": config.workloads,
+            "sizes": asdict(config.sizes),
+            "reference": reference,
+            "open_loop": {"arrivals": plan.arrivals, "rates": plan.rates, "requests": plan.requests,
+                          "burst": plan.burst, "slo": asdict(plan.slo)},
+        },
+        "calibration": run.calibration,
+        "targets": [t.describe() for t in targets],
+        "points": [p.to_json() for p in points],
+        "goals": [g.to_json() for g in checks],
+        "failed_requests": sum(not r.ok for r in records),
+        "requests": [r.to_json() for r in records],
+    }
+    json_path = config.out_dir / f"bench-open-{stamp}.json"
+    png_path = config.out_dir / f"bench-open-{stamp}.png"
+    write_json(json_path, document)
+    write_curves(png_path, points, labels, config.workloads)
+    for workload in config.workloads:
+        console.print(render_curves(points, labels, workload, plan.slo))
+    if checks:
+        console.print(_goals_table(checks))
+    load = document["machine"].get("load")
+    console.print(f"load average before/after: {load}\nJSON: {json_path}\nPNG:  {png_path}", highlight=False)
+    return BenchOutcome(json_path, png_path, json_path, document)
+
+
+async def _drive_open(config: BenchConfig, plan: OpenLoop, targets: list[Target], stamp: str,
+                      console: Console) -> tuple[Run, list[OpenRequest]]:
+    # Open arrivals are not capped by a client count: every due request gets a connection.
+    async with BenchClient(config.timeout_s, max_connections=max(64, 2 * plan.requests)) as client:
+        run = Run(client=client, targets=targets, sizes=config.sizes, seed=config.seed)
+        calibration = await calibrate(run)
+        console.print(f"calibration: {run.tokens_per_word:.3f} tokens/word on {calibration['target']}; "
+                      f"{plan.arrivals} arrivals at {', '.join(f'{r:g}' for r in plan.rates)}/s, "
+                      f"{plan.requests} requests per rate and server", highlight=False)
+        total = sum(len(run.targets_for(w)) for w in config.workloads) * len(plan.rates) * plan.requests
+        log = config.out_dir / f"bench-open-{stamp}.jsonl"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        console.print(f"each request as it is answered: {log}", highlight=False)
+        with _progress(console, total) as on_request:
+            records = await open_loop(run, plan, config.workloads, on_request, log)
+        return run, records
 
 
 async def _drive_replicas(

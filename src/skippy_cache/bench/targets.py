@@ -45,7 +45,11 @@ PEERS = {
 }
 #: llama.cpp's own server (llamaserver.py finds or builds the binary).
 LLAMA_SERVER = "llama-server"
-PEER_KINDS = (*PEERS, LLAMA_SERVER)
+#: The same with each of its 4 slots on its own stream of n_ctx / 4 cells (no --kv-unified):
+#: attention then walks only the slot's own cells, which made it faster on some workloads.
+LLAMA_SERVER_SPLIT = "llama-server-split"
+LLAMA_SERVERS = (LLAMA_SERVER, LLAMA_SERVER_SPLIT)
+PEER_KINDS = (*PEERS, *LLAMA_SERVERS)
 STARTUP_TIMEOUT_S = 300.0
 
 
@@ -140,12 +144,13 @@ def server_command(
         ]
         return cmd + (["--cache-mode", "off"] if kind == "skippy-cache-off" else [])
     threads = str(available_cores())
-    if kind == LLAMA_SERVER:
+    if kind in LLAMA_SERVERS:
         assert llama_server is not None, "the llama-server peer needs its binary (find_llama_server)"
         # As users run it for 4 concurrent clients: 4 slots over one unified pool of ctx_size
         # cells (without --kv-unified each slot gets ctx_size / 4), as many threads as skippy-cache.
         # --jinja: the GGUF's chat template through its Jinja engine, which tool calls need.
-        return [str(llama_server), "-m", str(model), "-c", str(ctx_size), "-np", "4", "--kv-unified", "--jinja",
+        unified = ["--kv-unified"] if kind == LLAMA_SERVER else []
+        return [str(llama_server), "-m", str(model), "-c", str(ctx_size), "-np", "4", *unified, "--jinja",
                 "-t", threads, "--host", "127.0.0.1", "--port", str(port), *([] if repack else ["--no-repack"])]
     return [
         sys.executable,

@@ -46,7 +46,8 @@ class BatchBuilder:
       chunk, which takes hundreds of times as long as a decode step;
     - a prefill step: chunks, short remaining prefills first, then in arrival
       order. The first chunk may fill the step (the batch, or fewer rows when
-      the KV view is wide: `step_rows`); further lanes join only while
+      the KV view is wide: `step_rows`), or in fast mode `fill_tokens` rows
+      while lanes decode (their next tokens wait for it); further lanes join only while
       the step holds fewer than `fill_tokens` tokens. Past that size a CPU
       matmul costs no less per token, so a larger step only makes the lanes
       ahead wait for the tokens of the lanes behind them.
@@ -93,6 +94,12 @@ class BatchBuilder:
         prefilling = [lane for lane in lanes if lane.phase is Phase.PREFILL]
 
         last_token = any(lane.phase is Phase.LAST_TOKEN for lane in decoding)
+        if decoding and not self.deterministic:
+            # Every decoding lane's next token waits for this step: a step of `fill_tokens` rows
+            # costs a little more per row than a full one and holds them half as long. (Not in
+            # deterministic mode: there, tiled chunks this small beside a decoding lane changed a
+            # prompt's floats against its cold run, for a reason not yet pinned down.)
+            rows = min(rows, max(self.fill_tokens, ALIGN))
         if prefilling and not (decoding and (self._last_step_prefilled or last_token)):
             # A prefill step holds no decode row: with 64 rows or more a decode row
             # would take the tiled kernel, and its floats would depend on what else runs.

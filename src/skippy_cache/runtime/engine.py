@@ -197,7 +197,7 @@ class Engine:
             family=family,
             deterministic=det,
         )
-        self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue)
+        self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue, config.max_queue_wait_s)
         self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens, deterministic=det)
         self.info = EngineInfo(
             model=gguf,

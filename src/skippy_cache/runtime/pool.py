@@ -10,6 +10,7 @@ from one place cannot drift from a second one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 
 from skippy_cache.cells import CellMap
@@ -39,7 +40,31 @@ class CellPool:
     def warm_up(self, token: int) -> bytearray:
         """One throwaway decode: a fresh context's first `llama_decode` allocates its
         compute buffers, which would otherwise land on the first request's TTFT.
-        Returns that one-token sequence's state: its layout is every state's layout."""
+        Returns that one-token sequence's state: its layout is every state's layout.
+
+        It runs on a thread of its own that then ends. llama.cpp's CPU backend
+        computes each graph with an OpenMP team that belongs to the calling
+        thread, and a team left on one thread (the one that builds the engine)
+        slows every graph computed on another (the engine's): one-token
+        decodes took 10.8 ms instead of 5.0 here. A thread that ends takes its
+        team with it.
+        """
+        done: list[bytearray | BaseException] = []
+
+        def run() -> None:
+            try:
+                done.append(self._warm_up(token))
+            except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+                done.append(exc)
+
+        thread = threading.Thread(target=run, name="skippy-warm-up")
+        thread.start()
+        thread.join()
+        if isinstance(done[0], BaseException):
+            raise done[0]
+        return done[0]
+
+    def _warm_up(self, token: int) -> bytearray:
         batch = Batch(1)
         batch.add(0, [token], 0, True)
         if self.decode(batch, [(0, 0, 1)]) != 0:

@@ -23,7 +23,12 @@ class RequestError(ValueError):
 
 
 class QueueFullError(RuntimeError):
-    pass
+    """The server cannot take the request now: its queue is full, or saturated (see `Scheduler`)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        #: When a retry may find room (the HTTP `Retry-After`).
+        self.retry_after_s = retry_after_s
 
 
 class EngineClosedError(RuntimeError):

@@ -5,18 +5,27 @@ is free and the cells of its whole run (prompt plus max_tokens) fit beside the
 other lanes' reservations: a lane can then never be starved of cells
 mid-generation, because everything else in the pool is evictable cache.
 
+A new request is refused (`QueueFullError`, HTTP 503 with `Retry-After`) when
+`max_queue` requests wait, and when the oldest waiting request has waited
+longer than `max_wait_s`: past saturation requests arrive faster than lanes free
+up, and queueing them all would only make every time to first token grow
+without bound; refusing early tells the client to come back (or go to another
+replica) while the requests already accepted still get answered in time.
+
 The queue is shared with submitting threads: the engine holds its lock around
 `enqueue`, `admit` and `take_cancelled`. Lanes belong to the engine thread.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from skippy_cache.runtime.lane import Lane
-from skippy_cache.runtime.requests import EventSink, QueueFullError, RequestHandle
 from skippy_cache.runtime.remote import Prefetched
+from skippy_cache.runtime.requests import EventSink, QueueFullError, RequestHandle
 
 
 @dataclass(slots=True)
@@ -36,9 +45,11 @@ class Admission:
 
 
 class Scheduler:
-    def __init__(self, lanes: int, n_ctx: int, max_queue: int) -> None:
+    def __init__(self, lanes: int, n_ctx: int, max_queue: int, max_wait_s: float = 0.0) -> None:
         self.n_ctx = n_ctx
         self.max_queue = max_queue
+        #: 0: no limit on how long the oldest waiting request may have waited.
+        self.max_wait_s = max_wait_s
         self.waiting: deque[Waiting] = deque()
         self.lanes: list[Lane] = []
         #: Lane sequence ids 0..lanes-1, handed out from 0 up; a freed id is reused first.
@@ -60,6 +71,12 @@ class Scheduler:
     def check_room(self, also_waiting: int = 0) -> None:
         if len(self.waiting) + also_waiting >= self.max_queue:
             raise QueueFullError(f"the queue is full ({self.max_queue} waiting)")
+        if self.max_wait_s and self.waiting:
+            waited = time.perf_counter() - self.waiting[0].t_submit
+            if waited > self.max_wait_s:
+                raise QueueFullError(
+                    f"the server is saturated: the oldest waiting request has waited {waited:.0f} s "
+                    f"(limit {self.max_wait_s:g} s)", retry_after_s=max(1, math.ceil(waited - self.max_wait_s)))
 
     def admit(self) -> Admission | None:
         """Take the head of the queue if it may start now, with a lane id and its reservation."""

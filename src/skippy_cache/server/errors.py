@@ -86,7 +86,7 @@ def from_engine_error(exc: Exception, *, prompt_param: str = "prompt") -> APIErr
     if isinstance(exc, QueueFullError):
         return APIError(
             503, f"{exc}; retry later", type="server_error", code="queue_full",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            headers={"Retry-After": str(exc.retry_after_s)},
         )
     if isinstance(exc, EngineClosedError):
         return APIError(

@@ -77,6 +77,8 @@ class ServerSettings:
     api_key: str | None = None
     #: Requests waiting for a lane beyond this get 503 with Retry-After.
     queue_size: int = 64
+    #: New requests get 503 with Retry-After while the oldest waiting one has waited longer (0: never).
+    max_queue_wait: float = 15.0
     #: Fast mode: hits at any length; output may move in the last float bits with
     #: batching and pool occupancy (default: exact mode).
     fast: bool = False
@@ -126,6 +128,7 @@ class ServerSettings:
             cache=self.cache,
             deterministic=not self.fast,
             max_queue=self.queue_size,
+            max_queue_wait_s=self.max_queue_wait,
             host_cache_bytes=None if self.host_cache_mib is None else self.host_cache_mib * MIB,
             cache_dir=self.cache_dir,
             disk_cache_bytes=self.disk_cache_mib * MIB,
@@ -174,6 +177,16 @@ def _int(minimum: int, maximum: int | None = None) -> Callable[[str, str], int]:
         return value
 
     return parse
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise SettingsError(f"{name}={value:g} must be 0 or more seconds")
+    return value
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -310,6 +323,9 @@ OPTIONS: tuple[Option, ...] = (
            "require 'Authorization: Bearer KEY' on /v1/* (default: no key)", "KEY"),
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
            "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
+    Option("max_queue_wait", "--max-queue-wait", "SKIPPY_MAX_QUEUE_WAIT", "max_queue_wait", _seconds,
+           "seconds the oldest waiting request may have waited before new requests get 503 + Retry-After: "
+           "past saturation this keeps time to first token bounded (default 15; 0: never)", "S"),
     Option("fast", "--fast", "SKIPPY_FAST", "fast", _bool,
            "fast mode: hits at any length, but output may move in the last float bits "
            "with other traffic and with cache hits (default off: cache-on output equals cache-off output "
@@ -500,8 +516,8 @@ def _toml_value(option: Option, name: str, value: object) -> object:
         if not isinstance(value, bool):
             raise SettingsError(f"{name}={value!r} must be true or false")
         return value
-    if isinstance(value, bool) or not isinstance(value, str | int):
-        raise SettingsError(f"{name}={value!r} must be a string or an integer")
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise SettingsError(f"{name}={value!r} must be a string or a number")
     return option.parse(name, str(value))
 
 
