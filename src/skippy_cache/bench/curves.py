@@ -236,6 +236,7 @@ def write_curves(path: Path, points: list[RatePoint], labels: list[str], workloa
 
     matplotlib.use("Agg")  # no display here; must precede pyplot
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     shown = [w for w in workloads if any(p.workload == w for p in points)]
     fig, axes = plt.subplots(1, max(1, len(shown)), figsize=(5.6 * max(1, len(shown)), 4.4), squeeze=False)
@@ -254,6 +255,9 @@ def write_curves(path: Path, points: list[RatePoint], labels: list[str], workloa
                 ax.scatter(*zip(*lost, strict=True), marker="x", s=50, color=colors[label])
         ax.set_xscale("log")
         ax.set_yscale("log")
+        rates = sorted({p.rate for p in points if p.workload == workload})
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xlabel("offered rate, requests/s (log)")
         ax.set_ylabel("TTFT, ms (log)")
         ax.set_title(workload)
