@@ -161,10 +161,13 @@ def test_an_open_loop_run_measures_every_workload_and_rate(tmp_path: Path) -> No
     assert doc["failed_requests"] == 0
     requests = doc["requests"]
     assert len(requests) == 3 * 2 * 6
-    # Bursts of 3 arrive together; a tenant's later request reuses its system prompt.
+    # Bursts of 3 arrive together; a tenant's request after the first burst (when its system
+    # prompt was computed) reuses it. (Of two tenants, the first burst already asks one twice:
+    # whether that one shares the rows in flight depends on when it is admitted.)
     tenants = [r for r in requests if r["workload"] == "tenants" and r["rate"] == 1]
     assert [r["due_s"] for r in tenants] == [0, 0, 0, 3, 3, 3]
-    assert all(r["cached_tokens"] > 0 for r in tenants if r["group"] == "hit")
+    assert [r["group"] for r in tenants] == ["cold", "cold", "hit", "hit", "hit", "hit"]
+    assert all(r["cached_tokens"] > 0 for r in tenants if r["due_s"] > 0)
     # A chat turn is sent only after the previous turn of its conversation was answered.
     chat = {r["index"]: r for r in requests if r["workload"] == "chat" and r["rate"] == 8}
     conversations = TINY.chat_conversations * 2
