@@ -108,6 +108,7 @@ def test_every_workload_runs_counts_failures_and_writes_outputs(tmp_path: Path) 
     assert outcome.png_path.exists() and outcome.png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # The summary kept in the repository: what ran, where, with what, and the figures; no requests.
+    assert outcome.summary_path is not None
     summary = json.loads(outcome.summary_path.read_text())
     assert outcome.summary_path.parent == tmp_path / "results"
     assert summary["figures"] == doc["figures"] and "measurements" not in summary

@@ -97,7 +97,8 @@ class BenchConfig:
 class BenchOutcome:
     json_path: Path
     png_path: Path
-    summary_path: Path
+    #: None for an open-loop run: its figures are per rate, not the README's.
+    summary_path: Path | None
     document: dict[str, Any]
 
 
@@ -366,20 +367,7 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
     checks += replica_goals(replica_figs, SHARED, ALONE, SINGLE)
     failed = sum(not m.ok for m in recorded.measurements)
     document = {
-        "created": dt.datetime.now().isoformat(timespec="seconds"),
-        "command": sys.argv,
-        # Load: 1, 5 and 15-minute averages before and after the run.
-        "machine": machine(load_before, os.getloadavg(), _cores()),
-        "versions": versions(),
-        "config": {
-            "ctx_size": config.ctx_size,
-            "model": str(model) if model else None,
-            "seed": config.seed,
-            "timeout_s": config.timeout_s,
-            "workloads": config.workloads,
-            "sizes": asdict(config.sizes),
-            "reference": reference,
-        },
+        **_run_header(config, model, reference, load_before),
         "calibration": run.calibration if run else None,
         "targets": [t.describe() for t in targets],
         "figures": [f.to_json() for f in figs + replica_figs],
@@ -419,6 +407,27 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
             console.print(f"  {m.workload}/{m.target}/{m.group}: {m.error}", highlight=False, markup=False)
     console.print(f"JSON: {json_path}\nPNG:  {png_path}\nsummary: {summary_path} (make docs renders it)")
     return BenchOutcome(json_path, png_path, summary_path, document)
+
+
+def _run_header(config: BenchConfig, model: Path | None, reference: str | None,
+                load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """What every run's JSON opens with: when, the command, the machine, the versions, the config."""
+    return {
+        "created": dt.datetime.now().isoformat(timespec="seconds"),
+        "command": sys.argv,
+        # Load: 1, 5 and 15-minute averages before and after the run.
+        "machine": machine(load_before, os.getloadavg(), _cores()),
+        "versions": versions(),
+        "config": {
+            "ctx_size": config.ctx_size,
+            "model": str(model) if model else None,
+            "seed": config.seed,
+            "timeout_s": config.timeout_s,
+            "workloads": config.workloads,
+            "sizes": asdict(config.sizes),
+            "reference": reference,
+        },
+    }
 
 
 def _measure_targets(
@@ -509,22 +518,10 @@ def _open_bench(config: BenchConfig, plan: OpenLoop, specs: list[TargetSpec], mo
     off = SKIPPY_OFF if SKIPPY_OFF in labels else None
     peers = [t.label for t in targets if t.kind in PEER_KINDS or t.kind == "url"]
     checks = open_goals(points, reference, peers, off)
-    document = {
-        "created": dt.datetime.now().isoformat(timespec="seconds"),
-        "command": sys.argv,
-        "machine": machine(load_before, os.getloadavg(), _cores()),
-        "versions": versions(),
-        "config": {
-            "ctx_size": config.ctx_size,
-            "model": str(model) if model else None,
-            "seed": config.seed,
-            "timeout_s": config.timeout_s,
-            "workloads": config.workloads,
-            "sizes": asdict(config.sizes),
-            "reference": reference,
-            "open_loop": {"arrivals": plan.arrivals, "rates": plan.rates, "requests": plan.requests,
-                          "burst": plan.burst, "slo": asdict(plan.slo)},
-        },
+    document = _run_header(config, model, reference, load_before)
+    document["config"]["open_loop"] = {"arrivals": plan.arrivals, "rates": plan.rates, "requests": plan.requests,
+                                       "burst": plan.burst, "slo": asdict(plan.slo)}
+    document |= {
         "calibration": run.calibration,
         "targets": [t.describe() for t in targets],
         "points": [p.to_json() for p in points],
@@ -540,9 +537,10 @@ def _open_bench(config: BenchConfig, plan: OpenLoop, specs: list[TargetSpec], mo
         console.print(render_curves(points, labels, workload, plan.slo))
     if checks:
         console.print(_goals_table(checks))
-    load = document["machine"].get("load")
-    console.print(f"load average before/after: {load}\nJSON: {json_path}\nPNG:  {png_path}", highlight=False)
-    return BenchOutcome(json_path, png_path, json_path, document)
+    before, after = document["machine"]["load"]["before"][0], document["machine"]["load"]["after"][0]
+    console.print(f"load average (1 min): {before:.2f} at the start, {after:.2f} at the end\n"
+                  f"JSON: {json_path}\nPNG:  {png_path}", highlight=False)
+    return BenchOutcome(json_path, png_path, None, document)
 
 
 async def _drive_open(config: BenchConfig, plan: OpenLoop, targets: list[Target], stamp: str,
