@@ -139,7 +139,7 @@ def rate_point(requests: list[OpenRequest], slo: SLO) -> RatePoint:
     duration = max(max(r.end_s for r in requests) - start, 1e-9)
     span = max(r.due_s for r in requests) - start
     prompt = sum(r.prompt_tokens or 0 for r in answered)
-    cached = sum(r.cached_tokens or 0 for r in answered if r.cached_tokens is not None)
+    cached = sum(r.cached_tokens for r in answered if r.cached_tokens is not None)
     reports = any(r.cached_tokens is not None for r in answered)
     return RatePoint(
         first.workload,

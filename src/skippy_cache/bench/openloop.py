@@ -25,7 +25,7 @@ from skippy_cache.bench.curves import SLO, OpenRequest
 from skippy_cache.bench.run import Run
 from skippy_cache.bench.targets import Target
 from skippy_cache.bench.text import passage, words_for
-from skippy_cache.bench.workloads import CHAT, COMPLETIONS
+from skippy_cache.bench.workloads import CHAT, COMPLETIONS, Conversation, tenant_body, tenant_systems
 
 OPEN_WORKLOADS = ("tenants", "chat", "zero")
 DEFAULT_RATES = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -50,31 +50,26 @@ Send = Callable[[str, dict], Awaitable[Reply]]
 
 
 class _Traffic:
-    """Request i of one workload at one rate: its path, body, and group ("cold" or "hit")."""
+    """Request i of `n` of one workload at one rate: its path, body, and group ("cold" or "hit").
+
+    The texts are the closed loop's tenants and conversations (workloads.py), seeded by `key`.
+    """
 
     def __init__(self, run: Run, workload: str, key: str, n: int) -> None:
         self.run, self.workload, self.key = run, workload, key
         s = run.sizes
-        self.turn_done: dict[int, asyncio.Event] = {}
         if workload == "tenants":
-            self.systems = [passage(f"{key}:tenant:{k}", words_for(s.tenant_system_tokens, run.tokens_per_word))
-                            for k in range(min(s.tenants, n))]
+            self.systems = tenant_systems(run, key, min(s.tenants, n))
         elif workload == "chat":
-            self.conversations = min(s.chat_conversations * 2, n)
-            self.histories: list[list[dict[str, str]]] = [
-                [{"role": "system", "content": passage(f"{key}:chat-system:{c}",
-                                                       words_for(s.chat_system_tokens, run.tokens_per_word))}]
-                for c in range(self.conversations)
-            ]
+            self.talks = [Conversation(run, c, key) for c in range(min(s.chat_conversations * 2, n))]
+            # Turn i's answer has arrived (a turn may be due before its previous one was sent).
+            self.answered = [asyncio.Event() for _ in range(n)]
 
     async def send(self, i: int, send: Send) -> tuple[str, Reply]:
         s = self.run.sizes
         if self.workload == "tenants":
-            k = i % len(self.systems)
-            question = passage(f"{self.key}:question:{i}", s.tenant_question_words).rstrip(".") + "?"
-            body = {"messages": [{"role": "system", "content": self.systems[k]},
-                                 {"role": "user", "content": question}],
-                    "max_tokens": TENANT_MAX_TOKENS, "temperature": 0}
+            system = self.systems[i % len(self.systems)]
+            body = tenant_body(self.run, system, f"{self.key}:question:{i}", TENANT_MAX_TOKENS)
             return ("cold" if i < len(self.systems) else "hit"), await send(CHAT, body)
         if self.workload == "chat":
             return await self._turn(i, send)
@@ -84,27 +79,17 @@ class _Traffic:
         return "distinct", await send(COMPLETIONS, body)
 
     async def _turn(self, i: int, send: Send) -> tuple[str, Reply]:
-        c, turn = i % self.conversations, i // self.conversations
+        n_talks = len(self.talks)
+        talk, turn = self.talks[i % n_talks], i // n_talks
         if turn:
-            await self.turn_done[i - self.conversations].wait()
-        done = self.turn_done[i]
-        s = self.run.sizes
-        user = passage(f"{self.key}:chat:{c}:{turn}", words_for(s.chat_user_tokens, self.run.tokens_per_word))
-        history = self.histories[c]
-        history.append({"role": "user", "content": user + " What do you make of this?"})
+            await self.answered[i - n_talks].wait()
+        reply = None
         try:
-            reply = await send(CHAT, {"messages": list(history), "max_tokens": s.chat_max_tokens, "temperature": 0})
+            reply = await send(CHAT, talk.ask(turn))
         finally:
-            history.append({"role": "assistant", "content": "(no reply)"})
-            done.set()
-        if reply.ok and reply.text:
-            history[-1]["content"] = reply.text
+            talk.heard(reply)
+            self.answered[i].set()
         return ("cold" if turn == 0 else "hit"), reply
-
-    def prepare(self, n: int) -> None:
-        """Every chat turn's event exists before any is awaited (a turn may be due before its previous one ran)."""
-        if self.workload == "chat":
-            self.turn_done = {i: asyncio.Event() for i in range(n)}
 
 
 def _status(reply: Reply) -> str:
@@ -118,7 +103,6 @@ async def one_rate(run: Run, target: Target, workload: str, rate: float, key: st
                    on_request: Callable[[str, str, Reply], None]) -> list[OpenRequest]:
     """Send one workload's requests to one server at `times` (seconds from now); every outcome recorded."""
     traffic = _Traffic(run, workload, key, len(times))
-    traffic.prepare(len(times))
     started = time.perf_counter()
     records: list[OpenRequest] = []
 
@@ -152,7 +136,7 @@ async def open_loop(run: Run, plan: OpenLoop, workloads: list[str],
     """
     records: list[OpenRequest] = []
     for workload in workloads:
-        targets = [t for t in run.targets_for(workload) if t.error is None]
+        targets = run.targets_for(workload)
         for r, rate in enumerate(plan.rates):
             key = f"{run.seed}:open:{workload}:{r}"
             times = arrival_times(plan.arrivals, rate, plan.requests, key, burst=plan.burst, trace=plan.trace)

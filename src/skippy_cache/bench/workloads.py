@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Iterable
 
 from skippy_cache.bench.agent import agent
+from skippy_cache.bench.client import Reply
 from skippy_cache.bench.run import AGENT, Replicas, Run
 from skippy_cache.bench.targets import Target
 from skippy_cache.bench.text import WORDS, passage, words_for
@@ -90,50 +91,66 @@ async def tenant_rounds(
     consecutive rounds to different servers, and each round's requests to all of them.
     """
     s = run.sizes
-    systems = [
-        passage(f"{run.seed}:tenant:{k}", words_for(s.tenant_system_tokens, run.tokens_per_word))
-        for k in range(s.tenants)
-    ]
+    systems = tenant_systems(run, str(run.seed), s.tenants)
     started = time.perf_counter()
     for r in range(s.tenant_rounds):
         group = prefix + ("round 1" if r == 0 else "later rounds")
-        jobs = []
-        for k, system in enumerate(systems):
-            question = passage(f"{run.seed}:question:{k}:{r}", s.tenant_question_words).rstrip(".") + "?"
-            body = {
-                "messages": [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": question},
-                ],
-                "max_tokens": 1,
-                "temperature": 0,
-            }
-            jobs.append(run.request(workload, target, group, CHAT, body, index=k + r))
+        jobs = [
+            run.request(workload, target, group, CHAT, tenant_body(run, system, f"{run.seed}:question:{k}:{r}", 1),
+                        index=k + r)
+            for k, system in enumerate(systems)
+        ]
         await _bounded(s.concurrency, jobs)
     run.span(workload, target, prefix + "all rounds", started, s.tenants * s.tenant_rounds)
 
 
-class _Conversation:
-    """Conversation c of a run: its system prompt and the history it resends on every turn."""
+def tenant_systems(run: Run, key: str, count: int) -> list[str]:
+    """The system prompts of `count` tenants, their text seeded by `key`."""
+    words = words_for(run.sizes.tenant_system_tokens, run.tokens_per_word)
+    return [passage(f"{key}:tenant:{k}", words) for k in range(count)]
 
-    def __init__(self, run: Run, c: int) -> None:
-        s = run.sizes
-        self.c = c
-        system = passage(f"{run.seed}:chat-system:{c}", words_for(s.chat_system_tokens, run.tokens_per_word))
+
+def tenant_body(run: Run, system: str, question_seed: str, max_tokens: int) -> dict[str, object]:
+    """A tenant's request: its system prompt and a short question of its own."""
+    question = passage(question_seed, run.sizes.tenant_question_words).rstrip(".") + "?"
+    return {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+
+
+class Conversation:
+    """Conversation c of a run: its system prompt and the history it resends on every turn, its text
+    seeded by `key` (the run's seed by default)."""
+
+    def __init__(self, run: Run, c: int, key: str | None = None) -> None:
+        self.run, self.c = run, c
+        self.key = str(run.seed) if key is None else key
+        system = passage(f"{self.key}:chat-system:{c}", words_for(run.sizes.chat_system_tokens, run.tokens_per_word))
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}]
 
-    async def turn(self, run: Run, target: Target | Replicas, turn: int, workload: str, prefix: str) -> None:
-        """Send turn `turn` (index c + turn: a `Replicas` target alternates a conversation's servers)."""
-        s = run.sizes
-        user = passage(f"{run.seed}:chat:{self.c}:{turn}", words_for(s.chat_user_tokens, run.tokens_per_word))
+    def ask(self, turn: int) -> dict[str, object]:
+        """Turn `turn`'s user message, added to the history; the request body that sends it."""
+        s = self.run.sizes
+        user = passage(f"{self.key}:chat:{self.c}:{turn}", words_for(s.chat_user_tokens, self.run.tokens_per_word))
         self.messages.append({"role": "user", "content": user + " What do you make of this?"})
-        body = {"messages": list(self.messages), "max_tokens": s.chat_max_tokens, "temperature": 0}
-        reply = await run.request(workload, target, f"{prefix}turn {turn + 1}", CHAT, body, index=self.c + turn)
-        # A failed turn still leaves a turn in the history, so the next turn is the same size
-        # class and is measured (and counted) rather than skipped.
-        self.messages.append(
-            {"role": "assistant", "content": reply.text if reply.ok and reply.text else "(no reply)"}
-        )
+        return {"messages": list(self.messages), "max_tokens": s.chat_max_tokens, "temperature": 0}
+
+    def heard(self, reply: Reply | None) -> None:
+        """The answer to the last turn (None: none came), added to the history.
+
+        A failed turn still leaves a turn in the history, so the next turn is the same size
+        class and is measured (and counted) rather than skipped.
+        """
+        text = reply.text if reply is not None and reply.ok and reply.text else "(no reply)"
+        self.messages.append({"role": "assistant", "content": text})
+
+    async def turn(self, target: Target | Replicas, turn: int, workload: str, prefix: str) -> None:
+        """Send turn `turn` (index c + turn: a `Replicas` target alternates a conversation's servers)."""
+        body = self.ask(turn)
+        self.heard(await self.run.request(workload, target, f"{prefix}turn {turn + 1}", CHAT, body,
+                                          index=self.c + turn))
 
 
 async def chat(run: Run) -> None:
@@ -155,15 +172,15 @@ async def conversations(
     """
     s = run.sizes
     started = time.perf_counter()
-    talks = [_Conversation(run, c) for c in range(s.chat_conversations)]
+    talks = [Conversation(run, c) for c in range(s.chat_conversations)]
     if in_rounds:
         for turn in range(s.chat_turns):
-            await _bounded(s.concurrency, (t.turn(run, target, turn, workload, prefix) for t in talks))
+            await _bounded(s.concurrency, (t.turn(target, turn, workload, prefix) for t in talks))
     else:
 
-        async def converse(talk: _Conversation) -> None:
+        async def converse(talk: Conversation) -> None:
             for turn in range(s.chat_turns):
-                await talk.turn(run, target, turn, workload, prefix)
+                await talk.turn(target, turn, workload, prefix)
 
         await _bounded(s.concurrency, (converse(t) for t in talks))
     run.span(workload, target, prefix + "all turns", started, s.chat_conversations * s.chat_turns)
