@@ -1,4 +1,5 @@
-"""Fixtures every test directory shares: a real Redis server for the shared tier's tests.
+"""Fixtures every test directory shares: a real Redis server for the shared tier's tests, and a
+umask that takes nothing away for the tests of file modes.
 
 `make test` installs Debian's redis-server package (tests must not skip because
 it is missing); run by hand without it, these tests fail with a message naming it.
@@ -6,6 +7,7 @@ it is missing); run by hand without it, these tests fail with a message naming i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,3 +34,13 @@ def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
     cluster = RedisClusterNodes(tmp_path)
     yield cluster
     cluster.kill()
+
+
+@pytest.fixture
+def permissive_umask() -> Iterator[None]:
+    """A umask that takes nothing away: the modes must come from the code, not from the umask."""
+    old = os.umask(0o000)
+    try:
+        yield
+    finally:
+        os.umask(old)

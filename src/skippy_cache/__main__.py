@@ -40,6 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark skippy-cache against llama-cpp-python / any OpenAI-compatible server "
         "(needs the 'bench' extra; `skippy-cache bench --help` for options)",
     )
+    hash_key = sub.add_parser(
+        "hash-key",
+        help="make a line of an --api-keys file: a new key (or one given) and its hash",
+        description=(
+            "Print a line for an --api-keys file: the key's SHA-256 hash, the tenant, the role and its options. "
+            "Without KEY a new random key is made and printed on stderr (give it to the client; "
+            "only its hash goes in the file), so 'skippy-cache hash-key --tenant alice >> keys.txt' "
+            "appends the line and shows the key once."
+        ),
+    )
+    hash_key.add_argument("key", nargs="?", help="the key to hash ('-': read it from stdin; default: a new one)")
+    hash_key.add_argument("--tenant", required=True, help="the tenant the key names")
+    hash_key.add_argument("--role", choices=("user", "admin"), default="user", help="user (default) or admin")
+    hash_key.add_argument("--shared", default="", help="shared namespaces the key may join, comma-separated")
+    hash_key.add_argument("--store", choices=("all", "ram", "none"), default="all",
+                          help="where the tenant's entries may go when they leave the pool: all (default), ram "
+                          "(never disk or the shared tier), none")
     demo = sub.add_parser("demo", help="print the cache budgets and prefix lengths the core derives")
     demo.add_argument("--ctx-size", type=int, default=8192, help="KV cells in the context (default 8192)")
     demo.add_argument(
@@ -60,6 +77,24 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+
+    if args.command == "hash-key":
+        from skippy_cache.server.tenants import NAME, hash_key, new_key
+
+        for name in [args.tenant, *filter(None, args.shared.split(","))]:
+            if not NAME.fullmatch(name):
+                parser.error(f"{name!r} is not a name (letters, digits, '_', '.', '-'; at most 64)")
+        key = args.key
+        if key == "-":
+            key = sys.stdin.readline().strip()
+        elif key is None:
+            key = new_key()
+            print(f"key: {key}", file=sys.stderr)
+        if not key:
+            parser.error("the key is empty")
+        options = [f"shared={args.shared}" if args.shared else "", f"store={args.store}" if args.store != "all" else ""]
+        print(" ".join(filter(None, [hash_key(key), args.tenant, args.role, *options])))
+        return 0
 
     if args.command == "demo":
         from skippy_cache.demo import run_demo

@@ -11,6 +11,14 @@ a crash leaves either the whole file or a `*.tmp`, which the next open removes.
 A failed write (disk full, read-only, permissions) is a skipped cache entry,
 never an error for the request that made it.
 
+Chunks are prompt-derived (KV state can be inverted back to text), so nothing
+here is readable by other local users: every directory this class creates is
+0700 and every file 0600, whatever the umask; files and our own directories
+left wider by an older version are tightened at open; and a root that others
+can write is refused (`CacheDirUnsafe`), since they could read, plant or swap
+chunks there. A root that others may only read is used as it is: what lies
+inside is ours and private.
+
 Invariants, checked by `check_invariants` and the tests:
 - booked bytes equal the sum of the indexed files' sizes and never exceed `max_bytes`;
 - the index is ordered least recently used first (at open: by mtime); eviction takes the first;
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +43,20 @@ _VERSION_DIR = "v1"  # bump with an incompatible layout; an old tree is then lef
 _SUFFIX = ".chunk"
 _TMP_SUFFIX = ".tmp"
 _HEX = set("0123456789abcdef")
+#: Modes of what we create; given at creation (the umask can only take bits away), so no
+#: window exists in which a chunk is readable by others.
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+_OTHERS = 0o077  # group and world bits: any of them set is tightened
+_OTHERS_WRITE = 0o022
 
 
 class CacheDirBusy(RuntimeError):
     """Another DiskChunks (this process or another) holds the cache directory."""
+
+
+class CacheDirUnsafe(ValueError):
+    """The cache directory is writable by other users, who could read, plant or swap chunks there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +100,15 @@ class DiskChunks:
         self._skipped_full = 0
         self._evictions = 0
         self._quarantined = 0
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(self.root)
+        _refuse_if_others_can_write(self.root)
         # Locked before the scan: the scan deletes *.tmp files, which a live owner may be writing.
         self._lock: IO[bytes] | None = _lock(self.root)
         try:
-            self._chunks_dir.mkdir(parents=True, exist_ok=True)
-            self._quarantine_dir.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(self._chunks_dir)
+            make_private_dirs(self._quarantine_dir)
+            for ours in (self.root / _VERSION_DIR, self._chunks_dir, self._quarantine_dir):
+                _tighten(ours, PRIVATE_DIR_MODE)
             self._scan()
         except BaseException:
             self.close()
@@ -114,6 +136,7 @@ class DiskChunks:
                 continue
             if len(sub.name) != 2 or not set(sub.name) <= _HEX:
                 continue  # not a directory we make: left alone rather than deleted
+            _tighten(sub, PRIVATE_DIR_MODE)  # an older version made it 0755: others could list the keys
             for path in sub.iterdir():
                 key = path.name.removesuffix(_SUFFIX)
                 if path.name.endswith(_SUFFIX) and is_key(key) and key[:2] == sub.name and path.is_file():
@@ -121,9 +144,13 @@ class DiskChunks:
                         st = path.stat()
                     except OSError:
                         continue  # vanished under us
+                    _tighten(path, PRIVATE_FILE_MODE, st.st_mode)
                     found.append((st.st_mtime_ns, key, st.st_size))
                 else:
                     self._remove_at_start(path)
+        # Quarantined files are chunks too: an older version's stay 0644 until tightened here.
+        for path in self._quarantine_dir.iterdir():
+            _tighten(path, PRIVATE_FILE_MODE)
         found.sort()
         for _, key, size in found:
             self._index[key] = size
@@ -200,8 +227,8 @@ class DiskChunks:
         final = self._path(key)
         tmp = final.with_name(f"{key}.{os.urandom(6).hex()}{_TMP_SUFFIX}")
         try:
-            final.parent.mkdir(exist_ok=True)
-            with open(tmp, "xb") as f:
+            make_private_dirs(final.parent)
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE), "wb") as f:
                 f.write(value)
                 f.flush()
                 os.fsync(f.fileno())
@@ -315,6 +342,46 @@ class DiskChunks:
         assert self._bytes <= self.max_bytes, f"{self._bytes} bytes over the budget {self.max_bytes}"
 
 
+def make_private_dirs(path: Path) -> None:
+    """Create `path` and every missing parent with mode 0700; an existing directory keeps its mode.
+
+    Not `Path.mkdir(parents=True, mode=...)`: that gives the parents the default mode (0755 under the
+    usual umask), and a parent we create, such as `~/.cache`, is as much ours as the leaf.
+    """
+    missing: list[Path] = []
+    while not path.is_dir() and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, PRIVATE_DIR_MODE)
+        except FileExistsError:
+            if not directory.is_dir():
+                raise  # a file where the directory belongs
+
+
+def _refuse_if_others_can_write(root: Path) -> None:
+    mode = stat.S_IMODE(os.stat(root).st_mode)
+    if mode & _OTHERS_WRITE:
+        # Not tightened for the operator: the directory may be shared on purpose (/tmp is), and a
+        # chmod there would break others; not used either, as whoever can write it can swap chunks.
+        raise CacheDirUnsafe(
+            f"cache directory {root} is writable by other users (mode {mode:04o}), and the chunks kept "
+            f"there are derived from prompts: chmod 700 {root} if the directory is the cache's alone, "
+            "or pass another --cache-dir (a path that does not exist yet is created with mode 0700)"
+        )
+
+
+def _tighten(path: Path, mode: int, st_mode: int | None = None) -> None:
+    """Set `path` to `mode` if group or world has any bit on it; left as it is if that fails (a read-only disk)."""
+    try:
+        current = stat.S_IMODE(os.stat(path).st_mode if st_mode is None else st_mode)
+        if current & _OTHERS:
+            os.chmod(path, mode)
+    except OSError:
+        pass
+
+
 def _lock(root: Path) -> IO[bytes]:
     """Take `root/lock` exclusively, or raise CacheDirBusy naming the holder's pid.
 
@@ -322,7 +389,8 @@ def _lock(root: Path) -> IO[bytes]:
     so a second open() of the lock file conflicts even within this process,
     and the lock goes away with the process however it dies.
     """
-    lock = open(root / "lock", "a+b", buffering=0)  # noqa: SIM115 - held open until close()
+    fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
+    lock = os.fdopen(fd, "r+b", buffering=0)  # held open until close()
     try:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -336,6 +404,7 @@ def _lock(root: Path) -> IO[bytes]:
     except BaseException:
         lock.close()
         raise
+    _tighten(root / "lock", PRIVATE_FILE_MODE)  # an older version made it 0644; it holds only a pid
     lock.truncate(0)
     lock.write(f"{os.getpid()}\n".encode())
     return lock

@@ -8,9 +8,11 @@
   found, missed because that prefix was evicted: a bigger cache would have
   served it (the recoverable misses);
 - namespaces: the namespace-free identities of recorded prefixes, each with
-  a digest of the namespace it was recorded in. A prompt whose tokens were
-  recorded under another `cache_salt` missed because namespaces never share;
-  the other namespace is never named.
+  digests of the tenant and the namespace it was recorded in. A prompt whose
+  tokens were recorded under another `cache_salt` missed because namespaces
+  never share; the other namespace is never named. Whether that namespace is
+  the same tenant's is kept too: another tenant's prompt must never be told
+  to a user, not even as a miss reason (tiers.Why.TENANT).
 
 Both books hold prefix identities at the same lengths (`lengths`: every
 multiple of the grid, and the whole prefix), so a prompt's identities at
@@ -62,7 +64,8 @@ class MissBook:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self._ghosts: OrderedDict[PageId, float] = OrderedDict()
-        self._namespaces: OrderedDict[PageId, str] = OrderedDict()
+        #: Namespace-free identity -> (tenant digest, namespace digest) it was last recorded under.
+        self._namespaces: OrderedDict[PageId, tuple[str, str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._ghosts) + len(self._namespaces)
@@ -81,10 +84,11 @@ class MissBook:
         for page_id in ids:
             self._ghosts.pop(page_id, None)
 
-    def recorded(self, unsalted: Iterable[PageId], namespace_digest: str) -> None:
-        """Prefixes recorded in a namespace, by their namespace-free identities."""
+    def recorded(self, unsalted: Iterable[PageId], scope: tuple[str, str]) -> None:
+        """Prefixes recorded in a scope (tenant digest, namespace digest), by their namespace-free
+        identities."""
         for page_id in unsalted:
-            self._namespaces[page_id] = namespace_digest
+            self._namespaces[page_id] = scope
             self._namespaces.move_to_end(page_id)
         _trim(self._namespaces, self.capacity)
 
@@ -101,16 +105,17 @@ class MissBook:
                 return Evicted(length, at)
         return None
 
-    def other_namespace(self, unsalted: Mapping[int, PageId], namespace_digest: str, longer_than: int) -> int:
-        """The longest of a prompt's prefixes recorded under another namespace, if longer than
-        `longer_than`; 0 if none."""
+    def other_namespace(self, unsalted: Mapping[int, PageId], scope: tuple[str, str],
+                        longer_than: int) -> tuple[int, bool]:
+        """The longest of a prompt's prefixes recorded under another namespace than `scope`'s, if
+        longer than `longer_than` (0 if none), and whether that namespace is the same tenant's."""
         for length in sorted(unsalted, reverse=True):
             if length <= longer_than:
-                return 0
+                return 0, True
             seen = self._namespaces.get(unsalted[length])
-            if seen is not None and seen != namespace_digest:
-                return length
-        return 0
+            if seen is not None and seen != scope:
+                return length, seen[0] == scope[0]
+        return 0, True
 
     def check_invariants(self) -> None:
         assert len(self._ghosts) <= self.capacity, f"{len(self._ghosts)} ghosts over {self.capacity}"

@@ -84,9 +84,18 @@ class Why(str, enum.Enum):
     EVICTED = "evicted"
     #: The same tokens were recorded under another namespace (`cache_salt`), which never shares.
     NAMESPACE = "namespace"
+    #: The same tokens were recorded by another tenant. Counted under this name for the operator;
+    #: the request itself is told `never_seen` (`told`): a miss reason must not tell one tenant
+    #: what another sent.
+    TENANT = "tenant"
     #: The request asked not to look up.
     LOOKUP_OFF = "lookup_off"
     CACHE_DISABLED = "cache_disabled"
+
+
+def told(reason: str | None) -> str | None:
+    """A miss reason as the request that missed is told it."""
+    return Why.NEVER_SEEN.value if reason == Why.TENANT.value else reason
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from skippy_cache.chunks import chunk_key
-from skippy_cache.diskchunks import CacheDirBusy, DiskChunks, DiskChunkStats
+from skippy_cache.diskchunks import CacheDirBusy, CacheDirUnsafe, DiskChunks, DiskChunkStats
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -260,3 +261,80 @@ def test_discard_and_clear(tmp_path: Path) -> None:
         assert d.clear() == 2
         assert len(d) == 0 and d.stats().bytes == 0 and chunk_files(tmp_path) == []
         d.check_invariants()
+
+
+# -- privacy at rest: chunks are prompt-derived --------------------------------------------------
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_what_the_disk_tier_creates_is_private_whatever_the_umask(
+    tmp_path: Path, permissive_umask: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "home" / ".cache" / "store"  # parents missing too, as `~/.cache` may be
+    temporary_modes: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # the temporary file, before its rename, is already private
+        temporary_modes.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        real_fsync(fd)
+
+    with open_disk(root) as d:
+        monkeypatch.setattr(os, "fsync", fsync)
+        assert d.put(K(1), value(1)) and d.put(K(2), value(2))
+        monkeypatch.undo()
+        assert d.quarantine(K(2))
+    assert temporary_modes == [0o600, 0o600]
+    dirs = [tmp_path / "home", tmp_path / "home" / ".cache", root, root / "v1", root / "v1" / "chunks",
+            root / "v1" / "quarantine", d._path(K(1)).parent]
+    assert {str(p): mode(p) for p in dirs} == {str(p): 0o700 for p in dirs}
+    files = [root / "lock", d._path(K(1)), *(root / "v1" / "quarantine").iterdir()]
+    assert len(files) == 3
+    assert {str(p): mode(p) for p in files} == {str(p): 0o600 for p in files}
+
+
+@pytest.mark.parametrize("root_mode", [0o770, 0o702, 0o1777], ids=["group", "world", "sticky-like-tmp"])
+def test_a_root_other_users_can_write_is_refused_naming_the_fix(tmp_path: Path, root_mode: int) -> None:
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(root_mode)
+    with pytest.raises(CacheDirUnsafe) as e:
+        open_disk(root)
+    message = str(e.value)
+    assert f"cache directory {root} is writable by other users (mode {root_mode:04o})" in message
+    assert f"chmod 700 {root}" in message and "--cache-dir" in message
+    assert isinstance(e.value, ValueError)
+    assert list(root.iterdir()) == []  # refused before the lock file or the tree is made
+    assert mode(root) == root_mode  # the operator's directory is not changed for them
+
+
+def test_a_root_others_may_only_read_is_used_and_left_as_it_is(tmp_path: Path, permissive_umask: None) -> None:
+    root = tmp_path / "readable"
+    root.mkdir()
+    root.chmod(0o755)
+    with open_disk(root) as d:
+        assert d.put(K(1), value(1))
+    assert mode(root) == 0o755
+    assert mode(root / "v1") == 0o700 and mode(d._path(K(1))) == 0o600
+
+
+def test_an_older_versions_0644_chunks_and_0755_dirs_are_tightened_at_open(tmp_path: Path) -> None:
+    with open_disk(tmp_path) as d:
+        d.put(K(1), value(1))
+        d.put(K(2), value(2))
+        d.quarantine(K(2))
+    # What the version before this rule left: default modes under umask 022.
+    wide_dirs = [tmp_path / "v1", tmp_path / "v1" / "chunks", tmp_path / "v1" / "quarantine",
+                 d._path(K(1)).parent]
+    wide_files = [tmp_path / "lock", d._path(K(1)), *(tmp_path / "v1" / "quarantine").iterdir()]
+    for p in wide_dirs:
+        p.chmod(0o755)
+    for p in wide_files:
+        p.chmod(0o644)
+    with open_disk(tmp_path) as d:
+        assert d.keys() == [K(1)] and d.get(K(1)) == value(1)
+        assert d.stats().found_at_start == 1
+    assert {str(p): mode(p) for p in wide_dirs} == {str(p): 0o700 for p in wide_dirs}
+    assert {str(p): mode(p) for p in wide_files} == {str(p): 0o600 for p in wide_files}

@@ -47,10 +47,18 @@ def test_an_evicted_prefix_is_found_from_a_prompt_that_shares_it() -> None:
 def test_the_same_tokens_under_another_namespace() -> None:
     book = MissBook()
     tokens = list(range(150))
-    book.recorded(ids(tokens).values(), "digest-a")
-    assert book.other_namespace(ids(tokens), "digest-b", longer_than=0) == 150
-    assert book.other_namespace(ids(tokens), "digest-a", longer_than=0) == 0
-    assert book.other_namespace(ids(tokens[:100] + [7] * 20), "digest-b", longer_than=0) == 64
+    book.recorded(ids(tokens).values(), ("tenant-a", "salt-a"))
+    assert book.other_namespace(ids(tokens), ("tenant-a", "salt-b"), longer_than=0) == (150, True)
+    assert book.other_namespace(ids(tokens), ("tenant-a", "salt-a"), longer_than=0) == (0, True)
+    assert book.other_namespace(ids(tokens[:100] + [7] * 20), ("tenant-a", "salt-b"), longer_than=0) == (64, True)
+
+
+def test_another_tenants_tokens_are_told_apart_from_another_salts() -> None:
+    book = MissBook()
+    tokens = list(range(150))
+    book.recorded(ids(tokens).values(), ("tenant-a", "salt-a"))
+    assert book.other_namespace(ids(tokens), ("tenant-b", "salt-a"), longer_than=0) == (150, False)
+    assert book.other_namespace(ids(tokens), ("tenant-b", "salt-a"), longer_than=150) == (0, True)
 
 
 @given(st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=200), max_size=30), st.integers(1, 64))
@@ -58,5 +66,5 @@ def test_the_books_stay_bounded(prompts: list[list[int]], capacity: int) -> None
     book = MissBook(capacity)
     for i, tokens in enumerate(prompts):
         book.left(ids(tokens).values(), now=float(i))
-        book.recorded(ids(tokens).values(), str(i % 3))
+        book.recorded(ids(tokens).values(), (str(i % 2), str(i % 3)))
         book.check_invariants()

@@ -15,6 +15,10 @@ from skippy_cache.server.jobs import ChatJob
 from skippy_cache.server.openai_responses import ResponsesRequest
 from skippy_cache.server.openai_responses import to_job as responses_job
 from skippy_cache.server.schemas import ChatMessage, ToolSpec
+from skippy_cache.server.tenants import Scope
+
+#: A server without tenants: the jobs carry `cache_salt` as their namespace.
+NO_TENANTS = Scope(None)
 
 TOOL = {"name": "add", "input_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
 
@@ -39,7 +43,7 @@ def test_a_messages_history_becomes_chat_messages_in_order() -> None:
                                          {"type": "text", "text": "And again?"}]},
             {"role": "assistant", "content": "The answer is"},
         ]})
-    job = messages_job(body)
+    job = messages_job(body, NO_TENANTS)
     assert [(m.role, m.content) for m in job.messages] == [
         ("system", "x-anthropic-billing-header: cch=fffff;\nBe brief."), ("user", "Add 1."), ("assistant", "Sure."),
         ("tool", "2"), ("user", "And again?")]
@@ -53,7 +57,8 @@ def test_a_messages_history_becomes_chat_messages_in_order() -> None:
                                           ({"type": "tool", "name": "add"}, "add"), (None, "auto")])
 def test_anthropic_tool_choices_map_to_the_chat_ones(choice: dict | None, mode: str) -> None:
     body = {"model": "m", "max_tokens": 1, "tools": [TOOL], "messages": [{"role": "user", "content": "x"}]}
-    job = messages_job(GenerateRequest.model_validate({**body, "tool_choice": choice} if choice else body))
+    request = GenerateRequest.model_validate({**body, "tool_choice": choice} if choice else body)
+    job = messages_job(request, NO_TENANTS)
     assert job.tool_mode == mode and [t.function.name for t in job.tools] == ["add"]
 
 
@@ -61,7 +66,7 @@ def test_a_tool_result_must_answer_an_earlier_call() -> None:
     body = GenerateRequest.model_validate({"model": "m", "max_tokens": 1, "messages": [
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "1"}]}]})
     with pytest.raises(APIError, match="toolu_9"):
-        messages_job(body)
+        messages_job(body, NO_TENANTS)
 
 
 def test_a_responses_input_becomes_chat_messages_with_one_reply_per_run_of_calls() -> None:
@@ -76,7 +81,7 @@ def test_a_responses_input_becomes_chat_messages_with_one_reply_per_run_of_calls
             {"type": "function_call_output", "call_id": "call_1", "output": "1"},
             {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "2"}]},
         ]})
-    job = responses_job(body)
+    job = responses_job(body, NO_TENANTS)
     assert [(m.role, m.content) for m in job.messages] == [
         ("system", "Be brief."), ("user", "Add twice."), ("assistant", "Sure."), ("tool", "1"), ("tool", "2")]
     assert [c.id for c in job.messages[2].tool_calls] == ["call_1", "call_2"]

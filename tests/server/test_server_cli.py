@@ -206,6 +206,17 @@ def test_a_cache_dir_that_cannot_be_made_exits_2_naming_it(tmp_path: Path) -> No
     assert "--cache-dir none" in line
 
 
+@pytest.mark.model
+def test_a_cache_dir_other_users_can_write_exits_2_naming_it(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    line = serve_fails("--cache-dir", str(shared))
+    assert f"cache directory {shared} is writable by other users (mode 0777)" in line
+    assert f"chmod 700 {shared}" in line and "--cache-dir" in line
+    assert not (shared / "lock").exists() and not (shared / "v1").exists()
+
+
 def test_a_port_in_use_exits_2_before_the_model_loads() -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -2,8 +2,15 @@
 
 from skippy_cache.diskchunks import CacheDirBusy
 from skippy_cache.runtime.engine import Engine
-from skippy_cache.runtime.info import EngineConfig, EngineInfo, EngineStats, PoolAudit, PoolView, available_cores
 from skippy_cache.runtime.gguf_info import GgufInfo, ModelNotFoundError, default_model_path, read_gguf_info
+from skippy_cache.runtime.info import (
+    EngineConfig,
+    EngineInfo,
+    EngineStats,
+    PoolAudit,
+    PoolView,
+    available_cores,
+)
 from skippy_cache.runtime.logprobs import MAX_TOP_LOGPROBS, Logprob, TokenLogprobs
 from skippy_cache.runtime.native import (
     PENALTY_LAST_N,
@@ -13,10 +20,8 @@ from skippy_cache.runtime.native import (
     json_grammar,
     literal_json_grammar,
 )
-from skippy_cache.runtime.prefixcache import Explanation
+from skippy_cache.runtime.prefixcache import Explanation, TenantFigures
 from skippy_cache.runtime.remote import RTT_BUCKETS, RemoteConfig, RemoteStats, redact
-from skippy_cache.runtime.startup import StartupError
-from skippy_cache.runtime.weightprobe import WeightLayout, WeightLayoutError
 from skippy_cache.runtime.requests import (
     Completion,
     DoneEvent,
@@ -24,12 +29,15 @@ from skippy_cache.runtime.requests import (
     Event,
     FinishReason,
     GenerationRequest,
+    Keep,
     QueueFullError,
     RequestError,
     RequestHandle,
     RequestStats,
     TokenEvent,
 )
+from skippy_cache.runtime.startup import StartupError
+from skippy_cache.runtime.weightprobe import WeightLayout, WeightLayoutError
 
 __all__ = [
     "CacheDirBusy",
@@ -45,6 +53,7 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "GgufInfo",
+    "Keep",
     "Logprob",
     "MAX_TOP_LOGPROBS",
     "ModelNotFoundError",
@@ -60,6 +69,7 @@ __all__ = [
     "RequestStats",
     "SamplingParams",
     "StartupError",
+    "TenantFigures",
     "TokenEvent",
     "TokenLogprobs",
     "WeightLayout",

@@ -66,7 +66,7 @@ from skippy_cache.runtime.native import (
     runtime_abi,
 )
 from skippy_cache.runtime.pool import CellPool
-from skippy_cache.runtime.prefixcache import Explanation, PrefixCache
+from skippy_cache.runtime.prefixcache import Explanation, PrefixCache, TenantFigures
 from skippy_cache.runtime.requests import (
     Completion,
     DoneEvent,
@@ -197,6 +197,10 @@ class Engine:
             family=family,
             deterministic=det,
         )
+        if config.tenant_cache_percent < 100:
+            self.cache.tenant_share_tokens = self.pool.n_ctx * config.tenant_cache_percent // 100
+            if store is not None:
+                store.owner_share_bytes = store.capacity_bytes * config.tenant_cache_percent // 100
         self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue, config.max_queue_wait_s)
         self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens, deterministic=det)
         self.info = EngineInfo(
@@ -372,16 +376,20 @@ class Engine:
         remote = self.cache.prefetch(request, fetch=False)
         return self.call(lambda: self.cache.explain(request, remote))
 
-    def pool_view(self, buckets: int = 512) -> PoolView:
+    def pool_view(self, buckets: int = 512, *, tenant: str | None = None) -> PoolView:
         """The pool as `buckets` columns of cells, each with its owners' counts, and the top prefixes
-        by tokens saved (the dashboard); read on the engine thread between steps."""
-        return self.call(lambda: self._pool_view(buckets))
+        by tokens saved (the dashboard; with `tenant`, that tenant's only); read on the engine thread
+        between steps."""
+        return self.call(lambda: self._pool_view(buckets, tenant))
 
-    def _pool_view(self, buckets: int) -> PoolView:
+    def _pool_view(self, buckets: int, tenant: str | None) -> PoolView:
         kinds = self.pool.cells.owners(self.info.budgets.reserved_seq_count)
         edges = np.linspace(0, len(kinds), min(buckets, len(kinds)) + 1).astype(int)
         columns = [tuple(int(n) for n in np.bincount(kinds[a:b], minlength=4)) for a, b in itertools.pairwise(edges)]
-        top = [(s.tokens, s.hits, s.head, s.namespace) for s in self.cache.savings.top(10)]
+        saved = self.cache.savings.top(None)
+        if tenant is not None:
+            saved = [s for s in saved if s.tenant == tenant]
+        top = [(s.tokens, s.hits, s.head, s.namespace, s.tenant) for s in saved[:10]]
         return PoolView(len(kinds), columns, top)
 
     def pool_audit(self) -> PoolAudit:
@@ -416,6 +424,14 @@ class Engine:
     def clear_cache(self) -> int:
         """Evict every resident entry and empty the state tiers; returns how many resident entries went."""
         return self.call(self.cache.evict_all)
+
+    def clear_tenant(self, tenant: str | None) -> int:
+        """Drop one tenant's resident entries and its pages in the store; how many resident entries went."""
+        return self.call(lambda: self.cache.clear_tenant(tenant))
+
+    def tenant_figures(self) -> dict[str | None, TenantFigures]:
+        """What each tenant holds in the pool and the store; read on the engine thread between steps."""
+        return self.call(self.cache.tenant_figures)
 
     def stats(self) -> EngineStats:
         """A snapshot from the end of the last step (safe from any thread).

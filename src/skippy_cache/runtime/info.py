@@ -88,6 +88,9 @@ class EngineConfig:
     #: Pinned entries (requests with `pin`) hold at most this share of the pool's cells, in percent;
     #: pinning past it releases the oldest pins first.
     pin_percent: int = 25
+    #: One tenant's entries (`GenerationRequest.tenant`) past this share of the pool's cells, in
+    #: percent, leave the pool before any other's (100: no share).
+    tenant_cache_percent: int = 100
     #: With a store: an entry unused while the pool decodes this many
     #: tokens is demoted. A resident cell costs every decoded token attention
     #: time, and a restore costs a copy per cell; past this many tokens an idle
@@ -183,5 +186,6 @@ class PoolView:
     n_cells: int
     #: Per column of cells, how many are (free, held by lanes, held by cache entries, shared by both).
     columns: list[tuple[int, int, int, int]]
-    #: The prefixes that saved the most prompt tokens: (tokens saved, hits, their first tokens, namespace).
-    top: list[tuple[int, int, tuple[int, ...], str]]
+    #: The prefixes that saved the most prompt tokens: (tokens saved, hits, their first tokens,
+    #: namespace label, tenant).
+    top: list[tuple[int, int, tuple[int, ...], str, str | None]]

@@ -15,6 +15,7 @@ from skippy_cache.runtime.native import Sampler
 from skippy_cache.runtime.remote import Prefetched
 from skippy_cache.runtime.requests import EventSink, GenerationRequest, RequestHandle, RequestStats
 from skippy_cache.runtime.textstream import TextStream
+from skippy_cache.tiers import told
 
 
 class Phase(Enum):
@@ -122,7 +123,7 @@ class Lane:
             ttft_ms=(t_first - self.t_submit) * 1000,
             decode_tokens_per_s=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0,
             cache_source=self.cache_source,
-            miss_reason=self.miss_reason,
+            miss_reason=told(self.miss_reason),
             evicted_ago=self.evicted_ago,
             restore_ms=self.restore_ms,
         )

@@ -33,6 +33,7 @@ the shared tier holds into RAM before its request is queued.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -51,21 +52,22 @@ from skippy_cache.runtime.costs import RestoreCosts
 from skippy_cache.runtime.lane import Lane
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.runtime.remote import Prefetched
-from skippy_cache.runtime.requests import GenerationRequest
+from skippy_cache.runtime.requests import GenerationRequest, Keep
 from skippy_cache.runtime.statestore import StateStore
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
-from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why, reuse_why
+from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why, reuse_why, told
 
 
 @dataclass(slots=True)
 class Saved:
     """One prefix's hits and the prompt tokens they did not prefill; `head`: its first tokens;
-    `namespace`: "default", or a digest of its `cache_salt` (never the salt)."""
+    `namespace`: "default", or a digest of its namespace (never a salt); `tenant`: whose it is."""
 
     tokens: int
     hits: int
     head: tuple[int, ...]
     namespace: str
+    tenant: str | None = None
 
 
 class Savings:
@@ -81,19 +83,30 @@ class Savings:
         self.head_tokens = head_tokens
         self._by_prefix: dict[tuple[str | None, tuple[int, ...]], Saved] = {}
 
-    def hit(self, namespace: str | None, prompt: list[int], length: int) -> None:
+    def hit(self, namespace: str | None, prompt: list[int], length: int, tenant: str | None = None) -> None:
         key = (namespace, tuple(prompt[: min(length, self.key_tokens)]))
         saved = self._by_prefix.get(key)
         if saved is None:
             if len(self._by_prefix) >= self.capacity:
                 del self._by_prefix[min(self._by_prefix, key=lambda k: self._by_prefix[k].tokens)]
             label = "default" if namespace is None else f"salt {_namespace_digest(namespace)[:6]}"
-            saved = self._by_prefix[key] = Saved(0, 0, tuple(prompt[: min(length, self.head_tokens)]), label)
+            saved = self._by_prefix[key] = Saved(0, 0, tuple(prompt[: min(length, self.head_tokens)]), label,
+                                                 tenant)
         saved.tokens += length
         saved.hits += 1
 
-    def top(self, n: int) -> list[Saved]:
+    def top(self, n: int | None) -> list[Saved]:
+        """The `n` prefixes that saved the most (None: all of them), most first."""
         return sorted(self._by_prefix.values(), key=lambda s: s.tokens, reverse=True)[:n]
+
+
+@dataclass(slots=True)
+class TenantFigures:
+    """What one tenant holds: resident entries and their tokens, and pages in the store."""
+
+    entries: int = 0
+    tokens: int = 0
+    stored_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +166,13 @@ class PrefixCache:
         self.savings = Savings()
         #: Resident pages' space and tokens: what their chunks are named by when they leave.
         self._entries: dict[PageId, tuple[Hashable, list[int]]] = {}
+        #: Resident pages' tenants (`GenerationRequest.tenant`): counted, cleared and held to a
+        #: share of the pool per tenant.
+        self._owners: dict[PageId, str | None] = {}
+        #: Resident pages whose request limits where they may go (`GenerationRequest.keep`); others: anywhere.
+        self._keep: dict[PageId, Keep] = {}
+        #: Past this many tokens in its entries, a tenant's entries leave the pool first (0: no share).
+        self.tenant_share_tokens = 0
         #: Resident pages waiting to be exported: reused ones (for an idle engine), and with a
         #: shared tier every new one (one per step).
         self._to_persist: dict[PageId, None] = {}
@@ -252,7 +272,7 @@ class PrefixCache:
         if hit.why in (Why.NEVER_SEEN, Why.DIVERGED):
             hit = self._explain_miss(hit, lane)
         miss = None if hit.why in (Why.EXACT_REPEAT, Why.ALL_BUT_LAST) else hit.why.value
-        return Explanation(hit.source.value, hit.length, len(request.tokens), miss, lane.evicted_ago)
+        return Explanation(hit.source.value, hit.length, len(request.tokens), told(miss), lane.evicted_ago)
 
     def looks_up(self, lane: Lane) -> bool:
         """The lane may share cells computed for another request: a lookup the request allows."""
@@ -346,7 +366,7 @@ class PrefixCache:
         if hit.source is not Source.NONE:
             c.hits += 1
             c.hit_tokens += hit.length
-            self.savings.hit(lane.request.namespace, lane.prompt, hit.length)
+            self.savings.hit(lane.request.namespace, lane.prompt, hit.length, lane.request.tenant)
         if hit.source is Source.RESIDENT and hit.whole and lane.request.pin:
             assert hit.page_id is not None
             self.tiers.resident.pin(hit.page_id)
@@ -465,7 +485,10 @@ class PrefixCache:
         entry_tokens = (tokens if tokens is not None else lane.prompt)[:n]
         self.tiers.file(prefix.page_id, lane.space, entry_tokens, lane.kernels if self.deterministic else None)
         self._entries[prefix.page_id] = (lane.space, entry_tokens)
-        self._book_recorded(lane.space, lane.request.namespace, entry_tokens)
+        self._owners[prefix.page_id] = lane.request.tenant
+        if lane.request.keep is not Keep.ALL:
+            self._keep[prefix.page_id] = lane.request.keep
+        self._book_recorded(lane.space, lane.request, entry_tokens)
         self.counters.records += 1
         if lane.request.pin and prefix is lane.prompt_identity:
             resident.pin(prefix.page_id)
@@ -490,9 +513,60 @@ class PrefixCache:
         if self.pool.free_cells < cells:
             self.placement.clear_pads()  # placement pads are free cells to the books
         while self.pool.free_cells < cells:
-            if not self.evict_one():
+            if not (self._evict_past_share() or self.evict_one()):
                 return False
         return True
+
+    def _evict_past_share(self) -> bool:
+        """Evict (demote) the least recently used entry of a tenant whose entries hold more than
+        `tenant_share_tokens`; False when no tenant is past its share.
+
+        One tenant's long prompts would otherwise push every other tenant's
+        entries out of the pool; past its share, its own go first.
+        """
+        if not self.tenant_share_tokens:
+            return False
+        held = self._tenant_tokens()
+        past = {tenant for tenant, tokens in held.items() if tenant is not None and tokens > self.tenant_share_tokens}
+        if not past:
+            return False
+        resident = self.tiers.resident
+        seqs = {e.seq_id for e in resident.entries() if self._owners.get(e.page_id) in past}
+        return self.evict_where(seqs.__contains__)
+
+    def _tenant_tokens(self) -> Counter[str | None]:
+        held: Counter[str | None] = Counter()
+        for entry in self.tiers.resident.entries():
+            held[self._owners.get(entry.page_id)] += entry.token_count
+        return held
+
+    def tenant_figures(self) -> dict[str | None, TenantFigures]:
+        """Each tenant's resident entries and their tokens, and its pages in the store."""
+        figures: dict[str | None, TenantFigures] = {}
+        for entry in self.tiers.resident.entries():
+            f = figures.setdefault(self._owners.get(entry.page_id), TenantFigures())
+            f.entries += 1
+            f.tokens += entry.token_count
+        if self.store is not None:
+            for owner, pages in self.store.owners().items():
+                figures.setdefault(owner, TenantFigures()).stored_pages = pages
+        return figures
+
+    def clear_tenant(self, tenant: str | None) -> int:
+        """Drop one tenant's resident entries (pinned ones too) and its pages in the store, chunks and
+        all; how many resident entries went."""
+        resident = self.tiers.resident
+        pages = {page_id for page_id, owner in self._owners.items() if owner == tenant}
+        seqs = {e.seq_id for e in resident.entries() if e.page_id in pages}
+        for page_id in pages:
+            resident.unpin(page_id)
+        evicted = []
+        while (eviction := resident.evict_lru_where(seqs.__contains__, self._drop)) is not None:
+            evicted.append(eviction)
+        self._forget(evicted)
+        if self.store is not None:
+            self._forget_store_pages(self.store.clear_owner(tenant))
+        return len(evicted)
 
     def evict_one(self) -> bool:
         """Evict (demote) the least recently used entry to free its cells; False when none is left.
@@ -579,15 +653,16 @@ class PrefixCache:
             lane.evicted_ago = age_bucket(time.monotonic() - evicted.at)
             return replace(hit, why=Why.EVICTED)
         unsalted = self._booked_ids(self.identity_key.with_namespace(None), tokens)
-        if self.misses.other_namespace(unsalted, _namespace_digest(lane.request.namespace), hit.length):
-            return replace(hit, why=Why.NAMESPACE)
+        length, same_tenant = self.misses.other_namespace(unsalted, _scope(lane.request), hit.length)
+        if length:
+            return replace(hit, why=Why.NAMESPACE if same_tenant else Why.TENANT)
         return hit
 
-    def _book_recorded(self, space: Hashable, namespace: str | None, tokens: Sequence[int]) -> None:
+    def _book_recorded(self, space: Hashable, request: GenerationRequest, tokens: Sequence[int]) -> None:
         """A prefix was recorded: it is no longer a ghost, and its tokens are booked under its namespace."""
         self.misses.held(self._booked_ids(space, tokens).values())
         unsalted = self._booked_ids(self.identity_key.with_namespace(None), tokens)
-        self.misses.recorded(unsalted.values(), _namespace_digest(namespace))
+        self.misses.recorded(unsalted.values(), _scope(request))
 
     def _booked_ids(self, space: Hashable, tokens: Sequence[int]) -> dict[int, PageId]:
         """Page ids of the prefixes of `tokens` at the lengths the miss book keeps (misses.lengths)."""
@@ -682,11 +757,15 @@ class PrefixCache:
         store = self.store
         if store is None or page_id in store or page_id not in self._entries:
             return
+        keep = self._keep.get(page_id, Keep.ALL)
+        if keep is Keep.NONE:
+            return
         space, tokens = self._entries[page_id]
         logits = self.tiers.logits.get(page_id)
         queued = store.put(page_id, space, tokens, self.pool.export(seq_id),
                            logits.tobytes() if logits is not None else None, durable=page_id in self._reused,
-                           kernels=self.tiers.kernels.get(page_id))
+                           kernels=self.tiers.kernels.get(page_id), owner=self._owners.get(page_id),
+                           local=keep is Keep.RAM)
         if queued:
             self.counters.demotions += 1
         else:
@@ -731,6 +810,8 @@ class PrefixCache:
         now = time.monotonic()
         for eviction in evictions:
             entry = self._entries.pop(eviction.page_id, None)
+            self._owners.pop(eviction.page_id, None)
+            self._keep.pop(eviction.page_id, None)
             if entry is not None:
                 self.misses.left(self._booked_ids(*entry).values(), now)
             self._to_persist.pop(eviction.page_id, None)
@@ -741,5 +822,10 @@ class PrefixCache:
 def _namespace_digest(namespace: str | None) -> str:
     """A namespace as the miss book keeps it: a digest, so the book never holds a salt."""
     return blake3(repr(namespace).encode()).hexdigest(length=8)
+
+
+def _scope(request: GenerationRequest) -> tuple[str, str]:
+    """The request's tenant and namespace as the miss book keeps them (digests)."""
+    return _namespace_digest(request.tenant), _namespace_digest(request.namespace)
 
 

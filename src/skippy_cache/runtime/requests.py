@@ -35,6 +35,17 @@ class EngineClosedError(RuntimeError):
     pass
 
 
+class Keep(str, Enum):
+    """Where a request's entries may go when they leave the pool (a tenant's `store` option)."""
+
+    #: Every tier the server has: RAM, disk, the shared tier.
+    ALL = "all"
+    #: The store's RAM tier only: never written to disk or to the shared tier.
+    RAM = "ram"
+    #: Nowhere: dropped when they leave the pool.
+    NONE = "none"
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
     tokens: list[int]
@@ -44,6 +55,12 @@ class GenerationRequest:
     #: Cache namespace (tenant / `cache_salt`): requests in different
     #: namespaces never share cached state.
     namespace: str | None = None
+    #: Who sent it (the API key's tenant; None without tenants): admission takes turns between
+    #: tenants, and each tenant's entries are counted apart. Never part of an identity: the
+    #: namespace already separates what tenants may share.
+    tenant: str | None = None
+    #: Where its entries may go when they leave the pool.
+    keep: Keep = Keep.ALL
     #: Record prefixes for later requests (False for one-off prompts).
     record: bool = True
     #: Let this request reuse cached prefixes.

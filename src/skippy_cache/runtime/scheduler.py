@@ -1,9 +1,19 @@
 """Admission and lane lifecycle: which waiting request runs next, and on which sequence id.
 
-Requests wait in FIFO order. The head is admitted when a lane's sequence id
-is free and the cells of its whole run (prompt plus max_tokens) fit beside the
-other lanes' reservations: a lane can then never be starved of cells
-mid-generation, because everything else in the pool is evictable cache.
+Admission takes turns between tenants (`GenerationRequest.tenant`). When a
+lane's sequence id is free, the candidate is the oldest waiting request of the
+tenant that holds the fewest running lanes; between tenants holding as many,
+the one whose oldest waiting request was queued first. Plain FIFO would let one
+tenant's flood fill the queue and then every lane, and hold another tenant's
+request behind the whole flood; this way a tenant holding no lane goes first
+as soon as one frees. With one tenant (or None for every request, a server
+without tenants) the rule is FIFO in queue order. Scanning the queue for it
+costs O(waiting) per admission: the queue holds at most `max_queue`.
+
+The candidate is admitted when the cells of its whole run (prompt plus
+max_tokens) fit beside the other lanes' reservations: a lane can then never be
+starved of cells mid-generation, because everything else in the pool is
+evictable cache.
 
 A new request is refused (`QueueFullError`, HTTP 503 with `Retry-After`) when
 `max_queue` requests wait, and when the oldest waiting request has waited
@@ -20,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from skippy_cache.runtime.lane import Lane
@@ -79,14 +89,35 @@ class Scheduler:
                     f"(limit {self.max_wait_s:g} s)", retry_after_s=max(1, math.ceil(waited - self.max_wait_s)))
 
     def admit(self) -> Admission | None:
-        """Take the head of the queue if it may start now, with a lane id and its reservation."""
+        """Take the request in turn (module docstring) if it may start now, with a lane id and its
+        reservation."""
         if not self._free_ids or not self.waiting:
             return None
-        request = self.waiting[0].handle.request
+        index = self._next_index()
+        waiting = self.waiting[index]
+        request = waiting.handle.request
         reserve = len(request.tokens) + request.max_tokens
+        # The request in turn waits for cells rather than letting a smaller one go ahead: smaller
+        # requests keep arriving, and skipping to them would starve a large one forever.
         if self.reserved_cells + reserve > self.n_ctx:
             return None
-        return Admission(self.waiting.popleft(), self._free_ids.pop(), reserve)
+        del self.waiting[index]
+        return Admission(waiting, self._free_ids.pop(), reserve)
+
+    def _next_index(self) -> int:
+        """Where in `waiting` the request in turn sits: the first one whose tenant holds the fewest
+        running lanes among the tenants waiting (the queue is not empty)."""
+        running = Counter(lane.request.tenant for lane in self.lanes)
+        best, fewest = 0, -1
+        for index, waiting in enumerate(self.waiting):
+            held = running[waiting.handle.request.tenant]
+            # Strictly fewer: a later request of a tenant holding as many lanes is not in turn yet,
+            # which keeps one tenant's requests, and tenants tied on lanes, in queue order.
+            if fewest < 0 or held < fewest:
+                best, fewest = index, held
+                if held == 0:
+                    break
+        return best
 
     def start(self, lane: Lane) -> None:
         self.lanes.append(lane)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -55,7 +55,7 @@ import numpy as np
 
 from skippy_cache.chunks import Chunk, ChunkError, chunk_key, seal, tail_key, unseal
 from skippy_cache.chunkstore import ChunkStore, Tier, slower
-from skippy_cache.diskchunks import DiskChunks
+from skippy_cache.diskchunks import CacheDirUnsafe, DiskChunks
 from skippy_cache.exact import Kernels, rows_key
 from skippy_cache.family import Family
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities
@@ -87,6 +87,12 @@ class Page:
     logits: bytes | None
     #: Reused at least once: its chunks go to disk too.
     durable: bool = False
+    #: The tenant whose request recorded it (None without tenants).
+    owner: str | None = None
+    #: Bytes of its exported state: what it costs its owner's share (`owner_share_bytes`).
+    nbytes: int = 0
+    #: Kept in this process's RAM only: never written to disk or to the shared tier.
+    local: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +154,10 @@ class StateStore:
         self._pages: OrderedDict[PageId, Page] = OrderedDict()
         self._pending: dict[PageId, bytes | bytearray] = {}
         self._pending_bytes = 0
+        #: Past this many bytes of pages, a tenant's least recently used pages are dropped (chunks and
+        #: all) to make room for its next one, so one tenant cannot fill the store (0: no share).
+        self.owner_share_bytes = 0
+        self._owner_bytes: Counter[str] = Counter()
         #: Work for the writer: (page, "store") cuts a pending export; (page, "spill") copies a
         #: stored page's chunks from RAM to disk; (page, "shared") waits until the shared tier has
         #: its chunks (`when_shared`).
@@ -156,6 +166,8 @@ class StateStore:
         self._sent: dict[PageId, Future[None]] = {}
         #: Pages the writer could not store (an export it could not parse): `prune` hands them back.
         self._lost: list[PageId] = []
+        #: Pages deleted to keep their owner within its share, not yet told to the engine (`prune`).
+        self._deleted: list[PageId] = []
         self._cv = threading.Condition()
         self._closing = False
         self._writer = threading.Thread(target=self._write_loop, name="skippy-store-writer", daemon=True)
@@ -219,9 +231,12 @@ class StateStore:
         *,
         durable: bool,
         kernels: Kernels | None = None,
+        owner: str | None = None,
+        local: bool = False,
     ) -> bool:
         """Queue an entry's exported state for the writer (`durable`: to disk too); False when the writer
-        is too far behind. `kernels`: those of the prompt that computed it (deterministic mode)."""
+        is too far behind. `kernels`: those of the prompt that computed it (deterministic mode);
+        `owner`: the tenant that recorded it; `local`: RAM only, whatever `durable` says."""
         n = len(tokens)
         assert isinstance(space, IdentityKey)
         n_chunks = (n - 1) // self.chunk_tokens
@@ -232,10 +247,13 @@ class StateStore:
             ends.append(n)
         keys = self._chunk_keys(self.identities_at(space, tokens, ends, kernels))
         tail = keys.pop() if logits is None else tail_key(page_id, self.layout_id)
-        page = Page(n, tuple(keys), tail, logits, durable)
+        page = Page(n, tuple(keys), tail, logits, durable and not local, owner, len(payload), local)
         with self._cv:
             if self._pending_bytes + len(payload) > self.max_pending_bytes:
                 return False
+            self._make_owner_room(owner, len(payload))
+            if owner is not None:
+                self._owner_bytes[owner] += page.nbytes
             self._pages[page_id] = page
             self._pages.move_to_end(page_id)
             self._pending[page_id] = payload
@@ -247,14 +265,15 @@ class StateStore:
     def when_shared(self, page_id: PageId) -> Future[None] | None:
         """A future completed once the page's chunks are on the shared tier (or the tier gave up on
         them: it is down, or a write timed out); None when there is nothing to wait for (no shared
-        tier, a page this store does not know).
+        tier, a page this store does not know or keeps local).
 
         The page's writes go ahead of everything queued: a request waits on them.
         """
         if self.remote is None:
             return None
         with self._cv:
-            if page_id not in self._pages:
+            page = self._pages.get(page_id)
+            if page is None or page.local:
                 return None
             sent = self._sent.get(page_id)
             if sent is not None:
@@ -274,7 +293,7 @@ class StateStore:
         """The page was reused: from now on its chunks belong on disk too."""
         with self._cv:
             page = self._pages.get(page_id)
-            if page is None or page.durable or self.chunks.disk is None:
+            if page is None or page.durable or page.local or self.chunks.disk is None:
                 return
             page.durable = True
             if page_id not in self._pending:  # else the writer sees the flag when it cuts the export
@@ -297,13 +316,62 @@ class StateStore:
                     gone.append(page_id)
             for page_id in gone:
                 self._drop_page(page_id)
+            gone += self._deleted
+            self._deleted.clear()
             return gone
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What the store can hold: its RAM tier's budget and its disk tier's."""
+        disk = self.chunks.disk
+        return self.chunks.ram_max_bytes + (disk.max_bytes if disk is not None else 0)
+
+    def owners(self) -> dict[str | None, int]:
+        """Pages this process put, counted by the tenant that recorded them."""
+        with self._cv:
+            return dict(Counter(page.owner for page in self._pages.values()))
+
+    def clear_owner(self, owner: str | None) -> list[PageId]:
+        """Forget one tenant's pages and delete their chunks from RAM and disk; the pages forgotten.
+
+        Only pages this process put are known by tenant (a chunk's name is a
+        hash): chunks from before a restart, and the shared tier's copies
+        (which expire by their TTL), stay until evicted.
+        """
+        with self._cv:
+            pages = [page_id for page_id, page in self._pages.items() if page.owner == owner]
+            for page_id in pages:
+                self._delete_page(page_id)
+            sent = self._take_sent(pages)
+        _complete(sent)
+        return pages
+
+    def _make_owner_room(self, owner: str | None, nbytes: int) -> None:
+        """Delete the owner's least recently used pages until `nbytes` more fit in its share (under
+        the lock). Its pages may share chunks with others of its namespace; a page left without its
+        first chunk is forgotten by `prune`."""
+        if owner is None or not self.owner_share_bytes:
+            return
+        while self._owner_bytes[owner] + nbytes > self.owner_share_bytes:
+            oldest = next((p for p, page in self._pages.items() if page.owner == owner), None)
+            if oldest is None:
+                return
+            self._delete_page(oldest)
+            self._deleted.append(oldest)  # the engine's books learn it is gone at the next prune
+
+    def _delete_page(self, page_id: PageId) -> None:
+        """Forget a page and delete its chunks from RAM and disk (under the lock)."""
+        page = self._pages[page_id]
+        self._drop_page(page_id)
+        for key in (*page.chunk_keys, page.tail_key):
+            self.chunks.discard(key)
 
     def clear(self) -> list[PageId]:
         """Empty the store (chunks on disk too); the pages this process had put there."""
         with self._cv:
             pages = list(self._pages)
             self._pages.clear()
+            self._owner_bytes.clear()
             self._pending.clear()
             self._pending_bytes = 0
             self._queue.clear()
@@ -579,6 +647,10 @@ class StateStore:
 
     def _drop_page(self, page_id: PageId) -> bool:
         page = self._pages.pop(page_id, None)
+        if page is not None and page.owner is not None:
+            self._owner_bytes[page.owner] -= page.nbytes
+            if self._owner_bytes[page.owner] <= 0:
+                del self._owner_bytes[page.owner]
         payload = self._pending.pop(page_id, None)
         if payload is not None:
             self._pending_bytes -= len(payload)
@@ -650,6 +722,8 @@ class StateStore:
                         disk.unwrite(key)
                     return
                 self.chunks.add_written(key, len(rows), value, on_disk=on_disk)
+            if page.local:
+                continue
             if urgent:
                 ahead.append((key, value))
             elif self.remote is not None:
@@ -702,8 +776,8 @@ def open_store(
     chunk is cut in (a model whose state is not rows per token keeps whole
     states, named by its kind of memory and the state's size for one token).
     A disk tier whose directory another process holds raises `CacheDirBusy`,
-    one that cannot be created or written `StartupError` (the server refuses to
-    start, with that message).
+    one that cannot be created or written, or that other users can write,
+    `StartupError` (the server refuses to start, with that message).
     """
     ram = default_host_cache_bytes() if config.host_cache_bytes is None else config.host_cache_bytes
     if ram <= 0 and config.cache_dir is None:
@@ -727,6 +801,8 @@ def open_store(
                 f"--cache-dir {config.cache_dir}: cannot keep the disk tier there ({exc.strerror or exc}); "
                 "pass a writable directory, or --cache-dir none for no disk tier"
             ) from None
+        except CacheDirUnsafe as exc:
+            raise StartupError(str(exc)) from None  # its message already names the directory and the fix
     remote = None
     note = None
     if config.remote is not None and ram <= 0:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from skippy_cache.diskchunks import PRIVATE_FILE_MODE, make_private_dirs
 from skippy_cache.runtime.gguf_info import GgufInfo
 from skippy_cache.runtime.native import (
     Batch,
@@ -164,9 +165,13 @@ class Verdicts:
         record = {"ok": outcome.ok, "signal": outcome.signal_name, "detail": outcome.detail,
                   "seconds": round(outcome.seconds, 3), **about}
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            # The cache directory's one rule (diskchunks.py): this may be what creates it, and its
+            # parents, which must not come out 0755 before the disk tier opens it.
+            make_private_dirs(self.directory)
             tmp = self.directory / f"{key}.json.tmp"
-            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            tmp.unlink(missing_ok=True)  # a leftover would keep its mode through the rename
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE), "w") as f:
+                f.write(json.dumps(record, indent=1) + "\n")
             os.replace(tmp, self.directory / f"{key}.json")
         except OSError:
             pass  # not remembered: the next start probes again, which costs time, never correctness

@@ -40,6 +40,7 @@ from skippy_cache.server.jobs import ChatJob
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (
     CacheControl,
+    CacheSalt,
     CalledFunction,
     ChatMessage,
     FunctionSpec,
@@ -47,6 +48,7 @@ from skippy_cache.server.schemas import (
     ToolCall,
     ToolSpec,
 )
+from skippy_cache.server.tenants import Scope, scope_of
 from skippy_cache.server.tools import Call, CallSplitter, Delta, split_reply
 
 BILLING_LINE = "x-anthropic-billing-header:"
@@ -214,7 +216,7 @@ class MessagesRequest(Strict):
     speed: str | None = None
     inference_geo: str | None = None
     # The fields a generation shares with the chat API, and this server's own.
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: CacheSalt | None = None
     cache: CacheControl = Field(default_factory=CacheControl)
     pin: bool = False
 
@@ -257,7 +259,7 @@ def rewrite_billing_line(text: str) -> str:
     return _BILLING_CHECKSUM.sub("cch=fffff", line) + newline + rest
 
 
-def to_job(body: MessagesRequest) -> ChatJob:
+def to_job(body: MessagesRequest, scope: Scope) -> ChatJob:
     """The chat job a Messages body asks for (400 for a history the chat path cannot replay)."""
     messages: list[ChatMessage] = []
     if body.system:
@@ -283,7 +285,8 @@ def to_job(body: MessagesRequest) -> ChatJob:
     choice = body.tool_choice or AnthropicToolChoice(type="auto")
     mode = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or choice.name
     return ChatJob(
-        **settings, namespace=body.cache_salt, lookup=body.cache.lookup, record=body.cache.store, pin=body.pin,
+        **settings, namespace=scope.namespace(body.cache_salt), tenant=scope.tenant, keep=scope.keep,
+        lookup=body.cache.lookup, record=body.cache.store, pin=body.pin,
         messages=messages, tools=[_tool_spec(t) for t in body.tools or ()], tool_mode=mode if body.tools else "none",
         # One call unless the client allows several: small models asked for "one or more" tend
         # to repeat a call until max_tokens.
@@ -490,7 +493,7 @@ class MessagesAPI:
     async def messages(self, request: Request) -> Response:
         body = await parse_body(request, GenerateRequest)
         self.generation.models.check(body.model)
-        job = to_job(body)
+        job = to_job(body, scope_of(request))
         runs, prompt_tokens = await self.generation.start_chat(job)
         fmt = MessageFormat(self.generation.model_id, job.tool_names, job.constrained, prompt_tokens)
         return await self.generation.respond_one(request, runs, job, fmt, body.stream)
@@ -499,5 +502,5 @@ class MessagesAPI:
         """The prompt's size as /v1/messages would render it (tools, system and history)."""
         body = await parse_body(request, MessagesRequest)
         self.generation.models.check(body.model)
-        tokens = await self.generation.prompt_size(to_job(body))
+        tokens = await self.generation.prompt_size(to_job(body, scope_of(request)))
         return JSONResponse({"input_tokens": tokens})

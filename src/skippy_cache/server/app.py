@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,13 +18,14 @@ from skippy_cache.server.chat import ChatFormatter, choose_chat_template
 from skippy_cache.server.dashboard import dashboard_data, page
 from skippy_cache.server.errors import APIError, install_error_handlers
 from skippy_cache.server.generation import Generation
-from skippy_cache.server.limits import BodyLimit, RequestLimits
+from skippy_cache.server.limits import BodyLimit, RequestLimits, TenantRequests
 from skippy_cache.server.metrics import RequestCounter, ServerMetrics
 from skippy_cache.server.modelnames import ModelNames
 from skippy_cache.server.openai_responses import ResponsesAPI, ResponsesRequest
 from skippy_cache.server.schemas import CacheQuery, ChatCompletionRequest, CompletionRequest, UnpinRequest
 from skippy_cache.server.settings import ServerSettings
-from skippy_cache.server.stats import cache_report
+from skippy_cache.server.stats import cache_report, tenant_report, tenants_report
+from skippy_cache.server.tenants import NAMESPACE_HEADER, OPEN, Keys, Scope, caller_of, in_tenant
 
 ENDPOINTS = (
     "/v1/completions",
@@ -44,13 +44,18 @@ ENDPOINTS = (
 )
 
 
-def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = False) -> FastAPI:
+def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = False,
+               keys: Keys | None = None) -> FastAPI:
     """The HTTP API over a running engine.
 
     With `owns_engine`, shutdown closes the engine after the server has
     stopped taking requests and finished the ones in flight (drain).
     Tests pass False to share one engine between several apps.
+    `keys`: the keys in use, which the caller may reload (default: read from
+    the settings; `KeyFileError` for a bad key file).
     """
+    if keys is None and (settings.api_keys is not None or settings.api_key):
+        keys = Keys(settings.api_keys, settings.api_key)
     started = int(time.time())
     model_id = engine.info.model.model_id
     models = ModelNames(model_id, settings.model_alias, strict=settings.strict_model_names)
@@ -86,6 +91,7 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
         models=models,
         limits=limits,
         system_fingerprint=f"skippy-{engine.info.model.digest[:12]}",
+        tenant_requests=TenantRequests(settings.tenant_max_requests if keys is not None and keys.tenants else 0),
     )
     app.state.generation = generation
 
@@ -98,8 +104,8 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
             "context_length": engine.info.n_ctx,
         }
 
-    auth = [Depends(_bearer_auth(settings.api_key))] if settings.api_key else []
-    v1 = APIRouter(prefix="/v1", dependencies=auth)
+    authenticate = _authenticate(keys)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
     # The handlers parse their bodies themselves (errors.py's messages, limits.py's checks);
     # the OpenAPI document still describes each body.
     v1.add_api_route("/completions", generation.completions, methods=["POST"],
@@ -125,16 +131,43 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
         models.check(model)
         return model_card()
 
+    tenants = keys is not None and keys.tenants
+
     @v1.get("/cache")
-    async def cache() -> dict:
+    async def cache(request: Request) -> dict:
         # The pool's audit is read on the engine thread: keep the wait off the event loop.
-        return await asyncio.to_thread(cache_report, engine)
+        caller = caller_of(request)
+        if not caller.admin:
+            assert caller.tenant is not None  # every user key names a tenant
+            return await asyncio.to_thread(tenant_report, engine, metrics, caller.tenant)
+        report = await asyncio.to_thread(cache_report, engine)
+        if tenants:
+            report["tenants"] = await asyncio.to_thread(tenants_report, engine, metrics)
+        return report
+
+    @v1.delete("/cache")
+    async def clear_cache(request: Request, tenant: str | None = None) -> dict:
+        """Empty the cache: a user key its own tenant's entries; an admin key everything, or one
+        tenant's (`?tenant=NAME`)."""
+        caller = caller_of(request)
+        if not caller.admin:
+            if tenant is not None and tenant != caller.tenant:
+                raise APIError(403, f"tenant: a user key may clear only its own tenant's entries ({caller.tenant!r})",
+                               type="permission_error", param="tenant", code="forbidden")
+            tenant = caller.tenant
+        if tenant is None:
+            dropped = await asyncio.to_thread(engine.clear_cache)
+        else:
+            dropped = await asyncio.to_thread(engine.clear_tenant, tenant)
+        generation.memory.forget(lambda namespace: tenant is None or in_tenant(namespace, tenant))
+        return {"object": "cache.cleared", "tenant": tenant, "resident_entries": dropped}
 
     @v1.get("/dashboard")
-    async def dashboard_json() -> dict:
+    async def dashboard_json(request: Request) -> dict:
         # The pool view is read on the engine thread: keep the wait off the event loop.
-        return await asyncio.to_thread(dashboard_data, engine, metrics.timeline,
-                                       prefix_text=settings.dashboard_prefix_text)
+        caller = caller_of(request)
+        return await asyncio.to_thread(dashboard_data, engine, metrics, prefix_text=settings.dashboard_prefix_text,
+                                       tenant=None if caller.admin else caller.tenant)
 
     app.include_router(v1)
 
@@ -161,7 +194,11 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
         # The page holds no data: it fetches /v1/dashboard, which needs the API key if one is set.
         return HTMLResponse(page())
 
-    @app.get("/metrics")
+    # With tenants, /metrics (every tenant's counters by name) is for admin keys; without, it
+    # stays open, as scrapers of a single-tenant server expect.
+    metrics_auth = [Depends(_admin_only(authenticate))] if tenants else []
+
+    @app.get("/metrics", dependencies=metrics_auth)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -187,20 +224,43 @@ def _json_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-def _bearer_auth(api_key: str):
-    expected = api_key.encode("utf-8")
+def _authenticate(keys: Keys | None):
+    """The dependency that names each request's caller and scope (`request.state`): 401 for a
+    missing or wrong key, 403 for a shared namespace the caller may not join."""
 
-    async def check(request: Request) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            # Anthropic's clients send the key as `x-api-key`.
-            token = request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(token.strip().encode("utf-8"), expected):
-            raise APIError(
-                401,
-                "missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+    async def authenticate(request: Request) -> None:
+        caller = OPEN
+        if keys is not None:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer":
+                # Anthropic's clients send the key as `x-api-key`.
+                token = request.headers.get("x-api-key", "")
+            found = keys.authenticate(token.strip())
+            if found is None:
+                raise APIError(
+                    401,
+                    "missing or incorrect API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            caller = found
+        shared = request.headers.get(NAMESPACE_HEADER)
+        if shared is not None:
+            allowed = caller.shared | (keys.shared if keys is not None and caller.admin else frozenset())
+            if not (shared in allowed or keys is None):
+                raise APIError(403, f"{NAMESPACE_HEADER}: this key may not join the shared namespace {shared!r}",
+                               type="permission_error", param=NAMESPACE_HEADER, code="namespace_forbidden")
+        request.state.caller = caller
+        request.state.scope = Scope(caller.tenant, shared, caller.keep)
 
-    return check
+    return authenticate
+
+
+def _admin_only(authenticate):
+    async def admin_only(request: Request) -> None:
+        await authenticate(request)
+        if not caller_of(request).admin:
+            raise APIError(403, "this endpoint needs an admin key", type="permission_error", code="forbidden")
+
+    return admin_only
+

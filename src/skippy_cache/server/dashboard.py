@@ -19,8 +19,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from importlib.resources import files
+from typing import TYPE_CHECKING
 
 from skippy_cache.runtime import DoneEvent, Engine, FinishReason
+
+if TYPE_CHECKING:
+    from skippy_cache.server.metrics import ServerMetrics
 
 #: Seconds of history the page shows, and the width of one point.
 WINDOW_S = 600
@@ -33,6 +37,7 @@ class _Done:
     ttft_ms: float | None
     prompt_tokens: int
     cached_tokens: int
+    tenant: str | None
 
 
 class Timeline:
@@ -42,23 +47,23 @@ class Timeline:
         self._done: deque[_Done] = deque()
         self._lock = threading.Lock()
 
-    def add(self, done: DoneEvent, now: float | None = None) -> None:
+    def add(self, done: DoneEvent, now: float | None = None, *, tenant: str | None = None) -> None:
         stats = done.stats
         answered = stats.completion_tokens > 0 and done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         item = _Done(time.time() if now is None else now, stats.ttft_ms if answered else None,
-                     stats.prompt_tokens, stats.cached_tokens)
+                     stats.prompt_tokens, stats.cached_tokens, tenant)
         with self._lock:
             self._done.append(item)
             while self._done and self._done[0].at < item.at - WINDOW_S:
                 self._done.popleft()
 
-    def points(self, now: float | None = None) -> list[dict]:
+    def points(self, now: float | None = None, *, tenant: str | None = None) -> list[dict]:
         """One point per `STEP_S` seconds, oldest first: requests, hit ratio (cached / prompt tokens) and
-        median TTFT of the requests that ended in it (None when none did)."""
+        median TTFT of the requests that ended in it (None when none did); with `tenant`, its requests only."""
         now = time.time() if now is None else now
         start = now - WINDOW_S
         with self._lock:
-            done = [d for d in self._done if d.at >= start]
+            done = [d for d in self._done if d.at >= start and (tenant is None or d.tenant == tenant)]
         points = []
         for i in range(WINDOW_S // STEP_S):
             lo = start + i * STEP_S
@@ -78,12 +83,40 @@ def page() -> str:
     return files("skippy_cache.server").joinpath("static/dashboard.html").read_text(encoding="utf-8")
 
 
-def dashboard_data(engine: Engine, timeline: Timeline, *, prefix_text: bool) -> dict:
-    """Everything the page draws, as of now (the pool view is read between engine steps)."""
+def dashboard_data(engine: Engine, metrics: ServerMetrics, *, prefix_text: bool, tenant: str | None = None) -> dict:
+    """Everything the page draws, as of now (the pool view is read between engine steps).
+
+    With `tenant` (a user key), what that tenant may see: its own requests,
+    misses and top prefixes (figures only, never their text), the tokens its
+    entries hold; the pool strip stays whole, as the load it shows is
+    observable anyway from any request's queueing time.
+    """
     s = engine.stats()
     info = engine.info
-    view = engine.pool_view()
+    view = engine.pool_view(tenant=tenant)
     resident, store, counters = s.cache.resident, s.cache.store, s.cache.counters
+    pool = {"n_cells": view.n_cells, "used": s.used_cells, "lanes_busy": s.lanes_busy,
+            "lanes_total": s.lanes_total, "queue_depth": s.queue_depth, "columns": view.columns}
+    top = []
+    for tokens, hits, head, namespace, owner in view.top:
+        text = engine.detokenize(list(head)).strip() if prefix_text and tenant is None else None
+        top.append({"tokens_saved": tokens, "hits": hits, "namespace": namespace if owner is None else owner,
+                    "first_words": text})
+    if tenant is not None:
+        own = metrics.tenant_totals(tenant)
+        held = engine.tenant_figures().get(tenant)
+        return {
+            "tenant": tenant,
+            "pool": pool,
+            "tiers": [{"name": "your entries", "unit": "tokens", "used": held.tokens if held else 0,
+                       "max": info.n_ctx}],
+            "totals": {"requests": own.requests, "prompt_tokens": own.prompt_tokens,
+                       "cached_tokens": own.cached_tokens, "lookups": own.requests, "hits": own.hits},
+            "misses": dict(sorted(own.misses.items(), key=lambda kv: -kv[1])),
+            "missed_tokens": own.missed_tokens,
+            "timeline": metrics.timeline.points(tenant=tenant),
+            "top_prefixes": top,
+        }
     tiers = [{"name": "resident", "unit": "tokens", "used": resident.resident_tokens,
               "max": resident.max_resident_tokens or info.n_ctx}]
     if store is not None:
@@ -95,18 +128,13 @@ def dashboard_data(engine: Engine, timeline: Timeline, *, prefix_text: bool) -> 
     if s.remote is not None:
         tiers.append({"name": "remote", "unit": "chunks", "up": s.remote.up, "hits": s.remote.hits,
                       "writes": s.remote.writes})
-    top = []
-    for tokens, hits, head, namespace in view.top:
-        text = engine.detokenize(list(head)).strip() if prefix_text else None
-        top.append({"tokens_saved": tokens, "hits": hits, "namespace": namespace, "first_words": text})
     return {
-        "pool": {"n_cells": view.n_cells, "used": s.used_cells, "lanes_busy": s.lanes_busy,
-                 "lanes_total": s.lanes_total, "queue_depth": s.queue_depth, "columns": view.columns},
+        "pool": pool,
         "tiers": tiers,
         "totals": {"requests": s.requests_done, "prompt_tokens": s.prompt_tokens,
                    "cached_tokens": s.cached_tokens, "lookups": counters.lookups, "hits": counters.hits},
         "misses": dict(sorted(counters.misses.items(), key=lambda kv: -kv[1])),
         "missed_tokens": counters.missed_tokens,
-        "timeline": timeline.points(),
+        "timeline": metrics.timeline.points(),
         "top_prefixes": top,
     }

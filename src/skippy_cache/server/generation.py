@@ -30,7 +30,7 @@ from skippy_cache.server.bridge import EngineRun, EngineRuns, cancel_on_disconne
 from skippy_cache.server.chat import ChatFormatter
 from skippy_cache.server.errors import APIError, error_body, from_engine_error, from_validation_errors
 from skippy_cache.server.jobs import ChatJob, Job
-from skippy_cache.server.limits import RequestLimits
+from skippy_cache.server.limits import RequestLimits, TenantRequests
 from skippy_cache.server.metrics import ServerMetrics
 from skippy_cache.server.modelnames import ModelNames
 from skippy_cache.server.prompts import Prompt, PromptBuilder
@@ -49,6 +49,7 @@ from skippy_cache.server.schemas import (
     UnpinRequest,
 )
 from skippy_cache.server.settings import ServerSettings
+from skippy_cache.server.tenants import Scope, caller_of, scope_of
 from skippy_cache.server.tools import TRIGGER, call_grammar, render_messages
 
 T = TypeVar("T", bound=BaseModel)
@@ -66,6 +67,7 @@ class Generation:
     limits: RequestLimits
     system_fingerprint: str
     memory: ReplyMemory = field(default_factory=ReplyMemory)
+    tenant_requests: TenantRequests = field(default_factory=lambda: TenantRequests(0))
 
     @property
     def model_id(self) -> str:
@@ -85,7 +87,8 @@ class Generation:
         if body.echo:
             prompt = body.prompt
             echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.engine.detokenize, tokens)
-        job = Job(**_job_fields(body), max_tokens=body.max_tokens_or_default(), top_logprobs=body.logprobs)
+        job = Job(**_job_fields(body, scope_of(request)), max_tokens=body.max_tokens_or_default(),
+                  top_logprobs=body.logprobs)
         run = self.submit(job, Prompt(tokens), prompt_param="prompt")
         fmt = CompletionFormat(self.model_id, self.system_fingerprint, echo=echo,
                                logprobs=body.logprobs is not None)
@@ -94,7 +97,7 @@ class Generation:
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         self.models.check(body.model)
-        job = ChatJob(**_job_fields(body), max_tokens=body.requested_max_tokens,
+        job = ChatJob(**_job_fields(body, scope_of(request)), max_tokens=body.requested_max_tokens,
                       top_logprobs=body.top_logprobs_wanted, messages=body.messages, tools=body.tools or [],
                       tool_mode=body.tool_mode,
                       # One call unless asked for more, as llama-server does: small models asked
@@ -149,7 +152,7 @@ class Generation:
     async def explain(self, request: Request) -> Response:
         """What a request with this prompt would reuse right now, from where, and why not more."""
         body = await parse_body(request, CacheQuery)
-        query = await self._query(body)
+        query = await self._query(body, scope_of(request))
         try:
             explanation = await asyncio.to_thread(self.engine.explain, query)
         except (RequestError, EngineClosedError) as exc:
@@ -159,24 +162,28 @@ class Generation:
     async def unpin(self, request: Request) -> Response:
         """Release the pin on a prompt's entry, or (`all`) every pin."""
         body = await parse_body(request, UnpinRequest)
-        query = None if body.all else await self._query(body)
+        if body.all and not caller_of(request).admin:
+            raise APIError(403, "all: only an admin key may release every pin; name the prompt to release yours",
+                           type="permission_error", param="all", code="forbidden")
+        query = None if body.all else await self._query(body, scope_of(request))
         try:
             released = await asyncio.to_thread(self.engine.unpin, query)
         except (RequestError, EngineClosedError) as exc:
             raise from_engine_error(exc, prompt_param="prompt" if body.prompt is not None else "messages") from None
         return JSONResponse({"object": "cache.unpin", "released": released})
 
-    async def _query(self, body: CacheQuery) -> GenerationRequest:
+    async def _query(self, body: CacheQuery, scope: Scope) -> GenerationRequest:
         self.models.check(body.model)
+        namespace = scope.namespace(body.cache_salt)
         if body.messages is not None:
             self.limits.check_messages(len(body.messages))
-            job = ChatJob(sampling=SamplingParams(), max_tokens=1, namespace=body.cache_salt,
+            job = ChatJob(sampling=SamplingParams(), max_tokens=1, namespace=namespace, tenant=scope.tenant,
                           messages=body.messages, tools=body.tools or [])
             prompt = await asyncio.to_thread(self._chat_prompt, job)
         else:
             assert body.prompt is not None  # CacheQuery holds exactly one of the two
             prompt = Prompt(await self._prompt_tokens(body.prompt))
-        return GenerationRequest(tokens=prompt.tokens, max_tokens=1, namespace=body.cache_salt,
+        return GenerationRequest(tokens=prompt.tokens, max_tokens=1, namespace=namespace, tenant=scope.tenant,
                                  lookup=body.cache.lookup, replies=prompt.replies, prefix_ends=prompt.prefix_ends)
 
     # -- steps -----------------------------------------------------------------
@@ -193,6 +200,17 @@ class Generation:
         assert job.max_tokens is not None
         sampling = job.sampling
         runs: list[EngineRun] = []
+        tenant = job.tenant
+        try:
+            self.tenant_requests.take(tenant, job.choices)
+        except APIError:
+            self.metrics.tenant_refused.labels(tenant).inc()
+            raise
+
+        def done(event: DoneEvent) -> None:
+            self.tenant_requests.release(tenant)
+            self.metrics.observe_done(event, tenant)
+
         try:
             for index in range(job.choices):
                 request = GenerationRequest(
@@ -201,6 +219,8 @@ class Generation:
                     sampling=_choice_sampling(sampling, index),
                     stop=job.stop,
                     namespace=job.namespace,
+                    tenant=tenant,
+                    keep=job.keep,
                     lookup=job.lookup,
                     record=job.record,
                     pin=job.pin,
@@ -208,8 +228,10 @@ class Generation:
                     replies=prompt.replies,
                     prefix_ends=prompt.prefix_ends,
                 )
-                runs.append(EngineRun(self.engine, request, on_done=self.metrics.observe_done))
+                runs.append(EngineRun(self.engine, request, on_done=done))
         except (RequestError, QueueFullError, EngineClosedError) as exc:
+            # The runs submitted give theirs back with their DoneEvent (cancelled); the rest now.
+            self.tenant_requests.release(tenant, job.choices - len(runs))
             for run in runs:
                 run.cancel()
             raise from_engine_error(exc, prompt_param=prompt_param) from None
@@ -267,9 +289,10 @@ class OneReplyFormat(Protocol):
     def call_ids(self) -> tuple[str, ...]: ...
 
 
-def _job_fields(body: CompletionRequest | ChatCompletionRequest) -> dict:
+def _job_fields(body: CompletionRequest | ChatCompletionRequest, scope: Scope) -> dict:
     """The `Job` fields both OpenAI bodies spell alike."""
-    return {"sampling": body.sampling(), "stop": body.stop_strings(), "namespace": body.cache_salt,
+    return {"sampling": body.sampling(), "stop": body.stop_strings(), "namespace": scope.namespace(body.cache_salt),
+            "tenant": scope.tenant, "keep": scope.keep,
             "lookup": body.cache.lookup, "record": body.cache.store, "pin": body.pin, "choices": body.choices}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from skippy_cache.runtime import SamplingParams
+from skippy_cache.runtime import Keep, SamplingParams
 from skippy_cache.server.schemas import ChatMessage, ToolSpec
 
 
@@ -22,8 +22,12 @@ class Job:
     #: None: as many as the context has left, capped by --default-max-tokens.
     max_tokens: int | None
     stop: tuple[str, ...] = ()
-    #: The cache namespace (`cache_salt`).
+    #: The cache namespace: `cache_salt` inside the caller's tenant or shared namespace (tenants.Scope).
     namespace: str | None = None
+    #: The caller's tenant (None: the server has no tenants).
+    tenant: str | None = None
+    #: Where the tenant's entries may go when they leave the pool.
+    keep: Keep = Keep.ALL
     lookup: bool = True
     record: bool = True
     pin: bool = False

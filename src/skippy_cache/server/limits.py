@@ -1,4 +1,5 @@
-"""What one request may ask of the server: body size, prompt tokens, stop strings, messages.
+"""What one request may ask of the server (body size, prompt tokens, stop strings, messages), and
+what one tenant may hold of it (requests in flight and queued).
 
 Each limit is checked before the work it bounds: the body's size before it
 is buffered whole or parsed (`BodyLimit`, an ASGI middleware, so chunked
@@ -11,6 +12,7 @@ OpenAI's error shape naming the limit's option, never a 5xx.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -61,6 +63,43 @@ class RequestLimits:
             raise APIError(400, f"the prompt has {n_tokens} tokens; this server accepts at most "
                            f"{self.max_prompt_tokens} (--max-prompt-tokens)", param=param,
                            code="context_length_exceeded")
+
+
+class TenantRequests:
+    """Requests each tenant has in flight or waiting; past `limit` a new one is a 429.
+
+    A tenant flooding the server would otherwise fill the queue and every
+    lane, and each other tenant's request would wait behind the flood (the
+    scheduler also takes turns between tenants when a lane frees). Counted on
+    the event loop: taken when the engine requests are submitted, given back
+    as each one's DoneEvent arrives, whichever way it ended.
+    """
+
+    def __init__(self, limit: int) -> None:
+        #: 0: no limit.
+        self.limit = limit
+        self._held: Counter[str] = Counter()
+
+    def take(self, tenant: str | None, n: int) -> None:
+        """Hold `n` requests for `tenant`, or raise the 429 (nothing held). Tenant None (a server
+        without tenants) is never limited."""
+        if tenant is None or not self.limit:
+            return
+        if self._held[tenant] + n > self.limit:
+            raise APIError(429, f"tenant {tenant!r} has {self._held[tenant]} requests in flight or waiting; at "
+                           f"most {self.limit} are allowed (--tenant-max-requests); retry when one is answered",
+                           type="rate_limit_error", code="tenant_limit", headers={"Retry-After": "1"})
+        self._held[tenant] += n
+
+    def release(self, tenant: str | None, n: int = 1) -> None:
+        if tenant is None or not self.limit:
+            return
+        self._held[tenant] -= n
+        if self._held[tenant] <= 0:
+            del self._held[tenant]
+
+    def held(self, tenant: str) -> int:
+        return self._held[tenant]
 
 
 #: A refused body is read on (and dropped) up to this many times the limit before the 413 is

@@ -9,6 +9,7 @@ scraped, so the engine's loop does no metrics work.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -49,15 +50,37 @@ class ServerMetrics:
             "skippy_time_to_first_token_seconds", "Submit to first generated token (queue + prefill)",
             buckets=TTFT_BUCKETS, registry=r,
         )
+        # Per tenant (with --api-keys): labelled by the tenant's name, never by its key.
+        self.tenant_requests = Counter(
+            "skippy_tenant_requests", "Engine requests ended, by tenant", ["tenant"], registry=r
+        )
+        self.tenant_prompt_tokens = Counter(
+            "skippy_tenant_prompt_tokens", "Prompt tokens of ended requests, by tenant", ["tenant"], registry=r
+        )
+        self.tenant_cached_tokens = Counter(
+            "skippy_tenant_cached_prompt_tokens", "Prompt tokens served from the cache, by tenant", ["tenant"],
+            registry=r,
+        )
+        self.tenant_refused = Counter(
+            "skippy_tenant_refused", "Requests refused for a tenant past --tenant-max-requests (429)", ["tenant"],
+            registry=r,
+        )
         self._prompt_total = 0
         self._cached_total = 0
+        #: Each tenant's own figures, for what a user key may see (/v1/cache, the dashboard).
+        self.tenants: dict[str, TenantTotals] = {}
         #: The dashboard's recent history.
         self.timeline = Timeline()
         r.register(EngineCollector(engine))
 
-    def observe_done(self, done: DoneEvent) -> None:
-        self.timeline.add(done)
+    def observe_done(self, done: DoneEvent, tenant: str | None = None) -> None:
+        self.timeline.add(done, tenant=tenant)
         stats = done.stats
+        if tenant is not None:
+            self.tenant_requests.labels(tenant).inc()
+            self.tenant_prompt_tokens.labels(tenant).inc(stats.prompt_tokens)
+            self.tenant_cached_tokens.labels(tenant).inc(stats.cached_tokens)
+            self.tenants.setdefault(tenant, TenantTotals()).add(done)
         self.generations.labels(done.finish_reason.value).inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.cached_tokens.inc(stats.cached_tokens)
@@ -69,12 +92,40 @@ class ServerMetrics:
         if stats.completion_tokens and done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.ttft.observe(stats.ttft_ms / 1000)
 
+    def tenant_totals(self, tenant: str) -> TenantTotals:
+        return self.tenants.get(tenant) or TenantTotals()
+
     def endpoint_label(self, path: str) -> str:
         # Unknown paths share one label: a scanner must not grow the series without bound.
         return path if path in self.endpoints else "other"
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(slots=True)
+class TenantTotals:
+    """One tenant's ended requests: what its user keys are shown in place of the server's counters."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    #: Requests that reused a cached prefix.
+    hits: int = 0
+    #: Requests by why they reused no more, as each was told (another tenant's prompt is `never_seen`).
+    misses: dict[str, int] = field(default_factory=dict)
+    missed_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, done: DoneEvent) -> None:
+        stats = done.stats
+        self.requests += 1
+        self.prompt_tokens += stats.prompt_tokens
+        self.cached_tokens += stats.cached_tokens
+        self.hits += stats.cached_tokens > 0
+        if stats.miss_reason is not None:
+            self.misses[stats.miss_reason] = self.misses.get(stats.miss_reason, 0) + 1
+            missed = stats.prompt_tokens - stats.cached_tokens
+            self.missed_tokens[stats.miss_reason] = self.missed_tokens.get(stats.miss_reason, 0) + missed
 
 
 class EngineCollector(Collector):

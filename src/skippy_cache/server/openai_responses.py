@@ -35,6 +35,7 @@ from skippy_cache.server.jobs import ChatJob
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (
     CacheControl,
+    CacheSalt,
     CalledFunction,
     ChatMessage,
     FunctionSpec,
@@ -44,6 +45,7 @@ from skippy_cache.server.schemas import (
     function_type_only,
     refuse_unless_inert,
 )
+from skippy_cache.server.tenants import Scope, scope_of
 from skippy_cache.server.tools import Call, CallSplitter, Delta, split_reply
 
 
@@ -215,7 +217,7 @@ class ResponsesRequest(Strict):
     top_logprobs: Any = None
     context_management: Any = None
     # This server's own.
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: CacheSalt | None = None
     cache: CacheControl = Field(default_factory=CacheControl)
     pin: bool = False
 
@@ -275,7 +277,7 @@ class ResponsesRequest(Strict):
         return self.tool_choice or ("auto" if self.tools else "none")
 
 
-def to_job(body: ResponsesRequest) -> ChatJob:
+def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
     messages: list[ChatMessage] = []
     if body.instructions:
         messages.append(ChatMessage(role="system", content=body.instructions))
@@ -305,7 +307,8 @@ def to_job(body: ResponsesRequest) -> ChatJob:
     )
     tools = [ToolSpec(type="function", function=FunctionSpec.model_validate(t.model_dump(exclude={"type"})))
              for t in body.tools or ()]
-    return ChatJob(sampling=sampling, max_tokens=body.max_output_tokens, namespace=body.cache_salt,
+    return ChatJob(sampling=sampling, max_tokens=body.max_output_tokens, namespace=scope.namespace(body.cache_salt),
+                   tenant=scope.tenant, keep=scope.keep,
                    lookup=body.cache.lookup, record=body.cache.store, pin=body.pin, messages=messages,
                    tools=tools, tool_mode=body.tool_mode,
                    # One call unless asked for more: small models asked for "one or more" tend to
@@ -513,7 +516,7 @@ class ResponsesAPI:
     async def create(self, request: Request) -> Response:
         body = await parse_body(request, ResponsesRequest)
         self.generation.models.check(body.model)
-        job = to_job(body)
+        job = to_job(body, scope_of(request))
         runs, _ = await self.generation.start_chat(job)
         fmt = ResponseFormat(self.generation.model_id, body, job.tool_names, job.constrained)
         return await self.generation.respond_one(request, runs, job, fmt, body.stream)

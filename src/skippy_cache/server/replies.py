@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 #: Replies remembered; a few hundred agents' latest steps (an entry is its text and token ids).
@@ -75,6 +76,16 @@ class ReplyMemory:
         with self._lock:
             key = self._calls.get((namespace, call_id))
             return self._use(key) if key is not None else None
+
+    def forget(self, wanted: Callable[[str | None], bool]) -> int:
+        """Drop the replies of every namespace `wanted` picks (a cache cleared); how many went."""
+        with self._lock:
+            gone = [key for key in self._replies if wanted(key[0])]
+            for key in gone:
+                _, calls = self._replies.pop(key)
+                for call_id in calls:
+                    self._calls.pop((key[0], call_id), None)
+            return len(gone)
 
     def __len__(self) -> int:
         with self._lock:

@@ -21,7 +21,7 @@ serves the rest) and `echo` prepends the prompt's text.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -46,6 +46,11 @@ MAX_CHOICES = 16
 MAX_COMPLETION_LOGPROBS = 5
 #: OpenAI's range of a logit bias: -100 bans a token, 100 forces it.
 MAX_LOGIT_BIAS = 100.0
+
+
+#: `cache_salt`: a namespace of the caller's own inside its tenant. No control characters: the
+#: server joins a namespace's parts with one (tenants.Scope), so no salt can spell another's.
+CacheSalt = Annotated[str, Field(min_length=1, pattern=r"^[^\x00-\x1f\x7f]*$")]
 
 
 class Strict(BaseModel):
@@ -222,7 +227,7 @@ class _GenerationFields(Strict):
     #: Ignored: an end-user id for OpenAI's abuse monitoring; it cannot change the output.
     user: str | None = None
     #: Own cache namespace: requests with different salts never share cached state.
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: CacheSalt | None = None
     cache: CacheControl = Field(default_factory=CacheControl)
     #: Keep this prompt's entry resident (bounded share of the pool; `POST /v1/cache/unpin` releases it).
     pin: bool = False
@@ -520,7 +525,7 @@ class CacheQuery(Strict):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     #: The tools a chat request would send: they are rendered into its prompt.
     tools: list[ToolSpec] | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)
+    cache_salt: CacheSalt | None = None
     cache: CacheControl = Field(default_factory=CacheControl)
 
     @field_validator("prompt", mode="before")

@@ -20,6 +20,7 @@ from skippy_cache.runtime import Engine, EngineInfo, StartupError
 from skippy_cache.server.app import create_app
 from skippy_cache.server.chat import ChatFormatter
 from skippy_cache.server.settings import ServerSettings
+from skippy_cache.server.tenants import KeyFileError, Keys
 
 log = logging.getLogger("skippy_cache.server")
 
@@ -71,7 +72,10 @@ def startup_report(engine: Engine, settings: ServerSettings, chat: ChatFormatter
     mode = info.mode.value
     if info.configured_mode is not info.mode:
         mode += f" (configured {info.configured_mode.value})"
-    auth = "bearer key required on /v1/*" if settings.api_key else "open (no --api-key)"
+    if settings.api_keys is not None:
+        auth = f"keys of {settings.api_keys} (a cache per tenant; SIGHUP reloads)"
+    else:
+        auth = "bearer key required on /v1/*" if settings.api_key else "open (no --api-key)"
     names = f"{model.model_id!r} or {settings.model_alias!r}"
     names += " only (--strict-model-names)" if settings.strict_model_names else " (any other name served too)"
     lines = [
@@ -106,12 +110,14 @@ def serve(settings: ServerSettings) -> int:
     """Run the server until SIGTERM; a start-up failure a user caused raises
     `SettingsError`, `StartupError` or `CacheDirBusy` (the CLI prints it in one line)."""
     check_listen(settings.host, settings.port)
+    # Read before the model loads: a bad key file stops the start in one line naming the line.
+    keys = Keys(settings.api_keys, settings.api_key) if settings.api_keys is not None or settings.api_key else None
     log.info("loading model %s", settings.model or "(default: SmolLM2-135M-Instruct Q4_1)")
     engine = Engine(settings.engine_config())
     try:
-        app = create_app(engine, settings, owns_engine=True)
+        app = create_app(engine, settings, owns_engine=True, keys=keys)
         log.info("%s", startup_report(engine, settings, app.state.generation.chat))
-        if not _is_loopback(settings.host) and not settings.api_key:
+        if not _is_loopback(settings.host) and keys is None:
             log.warning("listening on %s without --api-key: anyone who can reach it may use it", settings.host)
         config = uvicorn.Config(
             app,
@@ -126,6 +132,8 @@ def serve(settings: ServerSettings) -> int:
         # the previous handler act; a no-op handler here makes a drained
         # SIGTERM/SIGINT an exit 0 instead of death by signal.
         previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
+        if keys is not None and keys.tenants:
+            previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, lambda _sig, _frame: reload_keys(keys))
         try:
             server.run()
         finally:
@@ -138,6 +146,17 @@ def serve(settings: ServerSettings) -> int:
     finally:
         # Normally closed (drained) by the app's lifespan already; this covers a failed start.
         engine.close(drain=False, timeout=10.0)
+
+
+def reload_keys(keys: Keys) -> None:
+    """SIGHUP: read the key file again. Requests already authenticated run on; a key removed is
+    refused from its next request. A bad file keeps the keys in use."""
+    try:
+        count = keys.reload()
+    except KeyFileError as exc:
+        log.error("key file not reloaded, the keys in use stay: %s", exc)
+        return
+    log.info("key file %s reloaded: %d keys", keys.path, count)
 
 
 def check_listen(host: str, port: int) -> None:

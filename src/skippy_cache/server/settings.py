@@ -73,8 +73,14 @@ class ServerSettings:
     threads: int | None = None
     #: Whether llama.cpp may repack the weights (AMX, CPU_REPACK); auto keeps AMX off (weights.py).
     weight_repack: WeightRepack = WeightRepack.AUTO
-    #: Bearer token required on /v1/*; None leaves the API open.
-    api_key: str | None = None
+    #: Bearer token required on /v1/*; None leaves the API open. With `api_keys`, one admin key more.
+    api_key: str | None = field(default=None, repr=False)
+    #: A file of keys, each naming a tenant and a role (tenants.py); None: no tenants.
+    api_keys: Path | None = None
+    #: Requests one tenant may have in flight and waiting (0: no limit); only with `api_keys`.
+    tenant_max_requests: int = 16
+    #: One tenant's entries past this share of the pool, in percent, leave it first.
+    tenant_cache_percent: int = 50
     #: Requests waiting for a lane beyond this get 503 with Retry-After.
     queue_size: int = 64
     #: New requests get 503 with Retry-After while the oldest waiting one has waited longer (0: never).
@@ -135,6 +141,7 @@ class ServerSettings:
             chunk_tokens=self.chunk_tokens,
             idle_tokens=self.idle_tokens,
             pin_percent=self.pin_percent,
+            tenant_cache_percent=self.tenant_cache_percent if self.api_keys is not None else 100,
             remote=self.remote_config(),
         )
 
@@ -321,6 +328,16 @@ OPTIONS: tuple[Option, ...] = (
            "layout is test-decoded in a child process at first start", "MODE"),
     Option("api_key", "--api-key", "SKIPPY_API_KEY", "api_key", _optional_str,
            "require 'Authorization: Bearer KEY' on /v1/* (default: no key)", "KEY"),
+    Option("api_keys", "--api-keys", "SKIPPY_API_KEYS", "api_keys", _path,
+           "file of API keys, one per line: 'KEY TENANT ROLE [shared=NAME,...] [store=all|ram|none]' with KEY "
+           "a hash from 'skippy-cache hash-key', ROLE user or admin; each tenant gets its own cache; reloaded "
+           "on SIGHUP (default: none; --api-key stays a single admin key)", "FILE"),
+    Option("tenant_max_requests", "--tenant-max-requests", "SKIPPY_TENANT_MAX_REQUESTS", "tenant_max_requests",
+           _int(0), "with --api-keys: requests one tenant may have in flight and waiting; past it 429 + "
+           "Retry-After (default 16; 0: no limit)", "N"),
+    Option("tenant_cache_percent", "--tenant-cache-percent", "SKIPPY_TENANT_CACHE_PERCENT", "tenant_cache_percent",
+           _int(1, 100), "with --api-keys: share of the pool, in percent, one tenant's entries may hold before "
+           "they are evicted ahead of every other tenant's (default 50; 100: plain LRU)", "N"),
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
            "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
     Option("max_queue_wait", "--max-queue-wait", "SKIPPY_MAX_QUEUE_WAIT", "max_queue_wait", _seconds,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from skippy_cache.runtime import Engine
+from skippy_cache.runtime import Engine, TenantFigures
+from skippy_cache.server.metrics import ServerMetrics
 
 
 def cache_report(engine: Engine) -> dict:
@@ -61,5 +62,34 @@ def cache_report(engine: Engine) -> dict:
             "prompt_tokens": s.prompt_tokens,
             "cached_tokens": s.cached_tokens,
             "hit_ratio": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+        },
+    }
+
+
+def tenant_report(engine: Engine, metrics: ServerMetrics, tenant: str) -> dict:
+    """What one tenant holds and has asked for (GET /v1/cache with a user key): nothing of any other's."""
+    return {"tenant": tenant, **_tenant_figures(engine.tenant_figures().get(tenant), metrics, tenant)}
+
+
+def tenants_report(engine: Engine, metrics: ServerMetrics) -> dict:
+    """Every tenant's figures (GET /v1/cache with an admin key, on a server with tenants)."""
+    held = engine.tenant_figures()
+    names = sorted({name for name in held if name is not None} | set(metrics.tenants))
+    return {name: _tenant_figures(held.get(name), metrics, name) for name in names}
+
+
+def _tenant_figures(held: TenantFigures | None, metrics: ServerMetrics, tenant: str) -> dict:
+    held = held or TenantFigures()
+    own = metrics.tenant_totals(tenant)
+    return {
+        "resident_entries": held.entries,
+        "resident_tokens": held.tokens,
+        "stored_pages": held.stored_pages,
+        "requests": {
+            "done": own.requests,
+            "prompt_tokens": own.prompt_tokens,
+            "cached_tokens": own.cached_tokens,
+            "hit_ratio": own.cached_tokens / own.prompt_tokens if own.prompt_tokens else 0.0,
+            "misses": own.misses,
         },
     }

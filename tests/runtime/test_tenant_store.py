@@ -1,0 +1,65 @@
+"""The store's books per tenant (no model: whole states are opaque bytes): a tenant's pages are
+counted, cleared and held to its share without touching another tenant's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from skippy_cache.chunkstore import ChunkStore
+from skippy_cache.identity import IdentityKey, prefix_identity
+from skippy_cache.runtime.statestore import StateStore
+
+SPACE = IdentityKey(model_id="m", model_digest="d", stage_id="s", stage_index=0, layer_start=0, layer_end=1,
+                    runtime_abi="abi", weight_layout="CPU_Mapped", type_k="f16", type_v="f16", flash_attn=False,
+                    kv_unified=True, ctx_size=4096)
+PAGE_BYTES = 1000
+
+
+@pytest.fixture
+def store() -> Iterator[StateStore]:
+    store = StateStore(ChunkStore(1 << 20, None), "opaque-test-state", 64, max_pending_bytes=1 << 20)
+    yield store
+    store.close()
+
+
+def put(store: StateStore, owner: str | None, n: int) -> str:
+    """A page of `owner`'s: tokens [n] * 8, state PAGE_BYTES bytes; its page id."""
+    tokens = [n] * 8
+    page_id = prefix_identity(SPACE, tokens).page_id
+    assert store.put(page_id, SPACE, tokens, bytes([n % 256]) * PAGE_BYTES, None, durable=False, owner=owner)
+    return page_id
+
+
+def test_pages_are_counted_and_cleared_by_owner(store: StateStore) -> None:
+    alice = [put(store, "alice", n) for n in range(3)]
+    bob = put(store, "bob", 10)
+    anonymous = put(store, None, 20)
+    assert store.drain(30)
+    assert store.owners() == {"alice": 3, "bob": 1, None: 1}
+    assert sorted(store.clear_owner("alice")) == sorted(alice)
+    assert store.owners() == {"bob": 1, None: 1}
+    assert bob in store and anonymous in store
+    assert all(store.available(page)[0] == 0 for page in alice), "their chunks went with them"
+    assert store.available(bob)[0] == 8
+
+
+def test_a_tenant_past_its_share_loses_its_own_oldest_pages_first(store: StateStore) -> None:
+    store.owner_share_bytes = 3 * PAGE_BYTES
+    bob = put(store, "bob", 100)
+    alice = [put(store, "alice", n) for n in range(5)]
+    assert store.drain(30)
+    assert store.owners() == {"alice": 3, "bob": 1}
+    assert [page in store for page in alice] == [False, False, True, True, True]
+    assert bob in store
+    # The engine's books hear of the pages that went at the next prune.
+    assert set(store.prune()) == set(alice[:2])
+    assert store.prune() == []
+
+
+def test_without_tenants_there_is_no_share(store: StateStore) -> None:
+    store.owner_share_bytes = PAGE_BYTES
+    pages = [put(store, None, n) for n in range(4)]
+    assert store.drain(30)
+    assert all(page in store for page in pages)
