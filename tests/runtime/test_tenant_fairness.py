@@ -105,8 +105,9 @@ def test_the_request_in_turn_waits_for_cells_and_nothing_smaller_skips_it() -> N
     assert scheduler.admit().waiting is big
 
 
-def test_the_wait_limit_still_looks_at_the_oldest_request_of_any_tenant() -> None:
-    # The flood's oldest request waits while b's go first; the server is saturated all the same.
+def test_the_wait_limit_looks_at_the_oldest_request_of_the_same_tenant() -> None:
+    # The flood's oldest request waits while b's go first: a's next request is refused, b's is not,
+    # since b is served at the next free lane however long a's requests have waited.
     scheduler = Scheduler(lanes=2, n_ctx=10_000, max_queue=64, max_wait_s=5.0)
     now = time.perf_counter()
     queue(scheduler, "a", t_submit=now - 60)
@@ -117,7 +118,13 @@ def test_the_wait_limit_still_looks_at_the_oldest_request_of_any_tenant() -> Non
                                      _discard, now))
     assert tenant_of(admit_and_run(scheduler)) == "b"
     with pytest.raises(QueueFullError, match="oldest waiting request has waited"):
-        queue(scheduler, "b")
+        queue(scheduler, "a")
+    queue(scheduler, "b")
+    # Without tenants, every request is one tenant's: the oldest of all decides.
+    alone = Scheduler(lanes=1, n_ctx=10_000, max_queue=64, max_wait_s=5.0)
+    queue(alone, None, t_submit=now - 30)
+    with pytest.raises(QueueFullError):
+        queue(alone, None)
 
 
 TENANTS = ["a", "b", "c", None]

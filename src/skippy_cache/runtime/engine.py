@@ -302,7 +302,7 @@ class Engine:
                 self.scheduler.enqueue(waiting, also_waiting=len(self._prefetching))
                 self._cv.notify()
                 return handle
-            self.scheduler.check_room(len(self._prefetching))
+            self.scheduler.check_room(len(self._prefetching), request.tenant)
             self._prefetching.add(handle)
         self._prefetch.submit(self._prefetch_then_queue, waiting)
         return handle

@@ -16,11 +16,14 @@ starved of cells mid-generation, because everything else in the pool is
 evictable cache.
 
 A new request is refused (`QueueFullError`, HTTP 503 with `Retry-After`) when
-`max_queue` requests wait, and when the oldest waiting request has waited
-longer than `max_wait_s`: past saturation requests arrive faster than lanes free
-up, and queueing them all would only make every time to first token grow
-without bound; refusing early tells the client to come back (or go to another
-replica) while the requests already accepted still get answered in time.
+`max_queue` requests wait, and when the oldest waiting request of its tenant
+has waited longer than `max_wait_s`: past saturation requests arrive faster than
+lanes free up, and queueing them all would only make every time to first token
+grow without bound; refusing early tells the client to come back (or go to
+another replica) while the requests already accepted still get answered in
+time. Its own tenant's, not the oldest of all: admission takes turns, so a
+tenant with nothing waiting is served at the next free lane however long a
+flooding tenant's requests have waited (without tenants the two are one).
 
 The queue is shared with submitting threads: the engine holds its lock around
 `enqueue`, `admit` and `take_cancelled`. Lanes belong to the engine thread.
@@ -75,18 +78,23 @@ class Scheduler:
 
     def enqueue(self, waiting: Waiting, *, also_waiting: int = 0) -> None:
         """Queue a request; `also_waiting` counts requests accepted but not queued yet (prefetching)."""
-        self.check_room(also_waiting)
+        self.check_room(also_waiting, waiting.handle.request.tenant)
         self.waiting.append(waiting)
 
-    def check_room(self, also_waiting: int = 0) -> None:
+    def check_room(self, also_waiting: int = 0, tenant: str | None = None) -> None:
+        """Raise `QueueFullError` if a new request of `tenant` may not wait (module docstring)."""
         if len(self.waiting) + also_waiting >= self.max_queue:
             raise QueueFullError(f"the queue is full ({self.max_queue} waiting)")
-        if self.max_wait_s and self.waiting:
-            waited = time.perf_counter() - self.waiting[0].t_submit
-            if waited > self.max_wait_s:
-                raise QueueFullError(
-                    f"the server is saturated: the oldest waiting request has waited {waited:.0f} s "
-                    f"(limit {self.max_wait_s:g} s)", retry_after_s=max(1, math.ceil(waited - self.max_wait_s)))
+        if not self.max_wait_s:
+            return
+        oldest = next((w for w in self.waiting if w.handle.request.tenant == tenant), None)
+        if oldest is None:
+            return
+        waited = time.perf_counter() - oldest.t_submit
+        if waited > self.max_wait_s:
+            raise QueueFullError(
+                f"the server is saturated: the oldest waiting request has waited {waited:.0f} s "
+                f"(limit {self.max_wait_s:g} s)", retry_after_s=max(1, math.ceil(waited - self.max_wait_s)))
 
     def admit(self) -> Admission | None:
         """Take the request in turn (module docstring) if it may start now, with a lane id and its
