@@ -5,8 +5,10 @@ answered."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -227,3 +229,31 @@ def test_the_anthropic_and_responses_apis_are_isolated_too(tenant_server: LiveSe
 
     assert respond(ALICE) > 0
     assert respond(CAROL) == 0
+
+
+@pytest.fixture(scope="module")
+def traced_server(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Path]]:
+    folder = tmp_path_factory.mktemp("traced")
+    (folder / "keys.txt").write_text(key_lines())
+    log = folder / "trace.jsonl"
+    settings = ServerSettings(ctx_size=2048, lanes=4, queue_size=4, fast=True, api_keys=folder / "keys.txt",
+                              trace_log=log)
+    for server in run_server(engine, settings):
+        yield server, log
+
+
+def test_the_trace_log_names_tenants_never_keys(traced_server: tuple[LiveServer, Path]) -> None:
+    server, log = traced_server
+    text = prompt("the trace log")
+    outs = [complete(server, key, text) for key in (ALICE, BOB, ALICE)]
+    server.wait_idle()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["tenant"] for line in lines[-3:]] == ["alice", "bob", "alice"]
+    for line, out in zip(lines[-3:], outs, strict=True):
+        assert line["input_length"] == out.usage.prompt_tokens
+        assert line["output_length"] == out.usage.completion_tokens
+        assert len(line["hash_ids"]) == -(-out.usage.prompt_tokens // 512)
+    assert lines[-1]["hash_ids"] == lines[-2]["hash_ids"] == lines[-3]["hash_ids"]
+    raw = log.read_text()
+    assert all(key not in raw and hash_key(key) not in raw for key in (ALICE, BOB, CAROL, ROOT))
+    assert "the trace log" not in raw and "quick brown fox" not in raw

@@ -26,6 +26,7 @@ from skippy_cache.server.schemas import CacheQuery, ChatCompletionRequest, Compl
 from skippy_cache.server.settings import ServerSettings
 from skippy_cache.server.stats import cache_report, tenant_report, tenants_report
 from skippy_cache.server.tenants import NAMESPACE_HEADER, OPEN, Keys, Scope, caller_of, in_tenant
+from skippy_cache.server.tracelog import TraceLog
 
 ENDPOINTS = (
     "/v1/completions",
@@ -61,6 +62,8 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     models = ModelNames(model_id, settings.model_alias, strict=settings.strict_model_names)
     limits = RequestLimits.from_settings(settings, engine.info.n_ctx)
 
+    trace = TraceLog(settings.trace_log) if settings.trace_log is not None else None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -68,6 +71,8 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
         if owns_engine:
             # Blocking join of the engine thread: keep it off the event loop.
             await asyncio.to_thread(engine.close, True)
+        if trace is not None:
+            trace.close()
 
     app = FastAPI(title="skippy-cache", summary="OpenAI-compatible server with exact prefix KV reuse",
                   lifespan=lifespan)
@@ -92,6 +97,7 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
         limits=limits,
         system_fingerprint=f"skippy-{engine.info.model.digest[:12]}",
         tenant_requests=TenantRequests(settings.tenant_max_requests if keys is not None and keys.tenants else 0),
+        trace=trace,
     )
     app.state.generation = generation
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol, TypeVar
@@ -51,6 +52,7 @@ from skippy_cache.server.schemas import (
 from skippy_cache.server.settings import ServerSettings
 from skippy_cache.server.tenants import Scope, caller_of, scope_of
 from skippy_cache.server.tools import TRIGGER, call_grammar, render_messages
+from skippy_cache.server.tracelog import TraceLog
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -68,6 +70,8 @@ class Generation:
     system_fingerprint: str
     memory: ReplyMemory = field(default_factory=ReplyMemory)
     tenant_requests: TenantRequests = field(default_factory=lambda: TenantRequests(0))
+    #: Where each ended request is logged (`--trace-log`), if anywhere.
+    trace: TraceLog | None = None
 
     @property
     def model_id(self) -> str:
@@ -206,10 +210,13 @@ class Generation:
         except APIError:
             self.metrics.tenant_refused.labels(tenant).inc()
             raise
+        arrived = time.monotonic()
 
         def done(event: DoneEvent) -> None:
             self.tenant_requests.release(tenant)
             self.metrics.observe_done(event, tenant)
+            if self.trace is not None:
+                self.trace.write(arrived, prompt.tokens, event.stats.completion_tokens, tenant)
 
         try:
             for index in range(job.choices):

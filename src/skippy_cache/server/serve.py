@@ -101,6 +101,9 @@ def startup_report(engine: Engine, settings: ServerSettings, chat: ChatFormatter
         f"stop {settings.max_stop} x {settings.max_stop_chars} chars, {settings.max_messages} messages",
         f"  listen    http://{settings.host}:{settings.port}",
     ]
+    if settings.trace_log is not None:
+        lines.append(f"  trace     {settings.trace_log} (Mooncake format; its salt in {settings.trace_log}.salt "
+                     "stays here)")
     if info.mode_note:
         lines.append(f"  note      {info.mode_note}")
     return "\n".join(lines)

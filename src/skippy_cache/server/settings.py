@@ -81,6 +81,8 @@ class ServerSettings:
     tenant_max_requests: int = 16
     #: One tenant's entries past this share of the pool, in percent, leave it first.
     tenant_cache_percent: int = 50
+    #: Append the server's traffic here in Mooncake's trace format (tracelog.py); None: no log.
+    trace_log: Path | None = None
     #: Requests waiting for a lane beyond this get 503 with Retry-After.
     queue_size: int = 64
     #: New requests get 503 with Retry-After while the oldest waiting one has waited longer (0: never).
@@ -338,6 +340,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("tenant_cache_percent", "--tenant-cache-percent", "SKIPPY_TENANT_CACHE_PERCENT", "tenant_cache_percent",
            _int(1, 100), "with --api-keys: share of the pool, in percent, one tenant's entries may hold before "
            "they are evicted ahead of every other tenant's (default 50; 100: plain LRU)", "N"),
+    Option("trace_log", "--trace-log", "SKIPPY_TRACE_LOG", "trace_log", _path,
+           "append one line per request to this file in Mooncake's trace format (arrival time, prompt and "
+           "output lengths, salted hash ids of 512-token blocks, the tenant): no text or token can be recovered "
+           "from it; the salt is kept in FILE.salt (default: no log)", "FILE"),
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
            "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
     Option("max_queue_wait", "--max-queue-wait", "SKIPPY_MAX_QUEUE_WAIT", "max_queue_wait", _seconds,
