@@ -121,10 +121,10 @@ def in_tenant(namespace: str | None, tenant: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class KeyEntry:
+    """One accepted key: its SHA-256 digest and whom it names."""
+
     digest: bytes
     caller: Caller
-    #: Where it came from, for messages: `keys.txt:3`, `--api-key`.
-    origin: str
 
 
 def hash_key(key: str) -> str:
@@ -166,7 +166,7 @@ def parse_key_file(text: str, source: str) -> list[KeyEntry]:
         if digest in seen:
             raise KeyFileError(f"{where}: the same key as {seen[digest]}")
         seen[digest] = where
-        entries.append(KeyEntry(digest, Caller(tenant, role, shared, keep), where))
+        entries.append(KeyEntry(digest, Caller(tenant, role, shared, keep)))
     if not entries:
         raise KeyFileError(f"{source}: no keys (one line per key: 'KEY TENANT ROLE [OPTION=VALUE ...]')")
     return entries
@@ -222,7 +222,7 @@ class Keys:
         self.path = path
         self._admin = (
             KeyEntry(hashlib.sha256(admin_key.encode("utf-8")).digest(),
-                     Caller(ADMIN_KEY_TENANT if path is not None else None, Role.ADMIN), "--api-key")
+                     Caller(ADMIN_KEY_TENANT if path is not None else None, Role.ADMIN))
             if admin_key else None
         )
         self._entries = self._load()
