@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from skippy_cache.server import ServerSettings
+from skippy_cache.server.tenants import hash_key
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
@@ -97,3 +99,32 @@ def test_with_an_api_key_the_data_needs_it(browser: webdriver.Chrome) -> None:
         login.find_element(By.TAG_NAME, "button").click()
         wait_for(lambda: loads(browser) >= 1, "the data once the key was given")
         assert len(browser.find_elements(By.CSS_SELECTOR, "#strip > div")) == 512
+
+
+def test_a_user_key_sees_its_own_tenant_and_no_prefix_text(browser: webdriver.Chrome, tmp_path: Path) -> None:
+    user, admin = "sk-dash-user", "sk-dash-admin"
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{hash_key(user)} alice user\n{hash_key(admin)} ops admin\n")
+    settings = ServerSettings(ctx_size=1024, lanes=1, cache_dir=None, api_keys=keys, fast=True)
+    for server in run_own_server(settings):
+        prompt = " ".join(["a prefix only its tenant may read"] * 20)
+        for _ in range(2):
+            server.openai(api_key=user).completions.create(model="skippy-cache", prompt=prompt, max_tokens=2,
+                                                           temperature=0)
+
+        def log_in(key: str) -> None:
+            browser.get(f"{server.url}/dashboard")
+            browser.execute_script("sessionStorage.clear()")
+            browser.get(f"{server.url}/dashboard")
+            login = wait_for(lambda: (f := browser.find_element(By.ID, "login")).is_displayed() and f, "the key form")
+            login.find_element(By.ID, "key").send_keys(key)
+            login.find_element(By.TAG_NAME, "button").click()
+            wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#top tr"), "the top prefixes")
+
+        log_in(user)
+        row = browser.find_element(By.CSS_SELECTOR, "#top tr").text
+        assert "alice" in row and "(hidden)" in row and "only its tenant" not in row
+        assert "your entries" in browser.find_element(By.ID, "cards").text
+        log_in(admin)
+        wait_for(lambda: "a prefix only its tenant may read" in browser.find_element(By.CSS_SELECTOR, "#top tr").text,
+                 "the prefix text for an admin")
