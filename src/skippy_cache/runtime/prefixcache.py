@@ -827,5 +827,3 @@ def _namespace_digest(namespace: str | None) -> str:
 def _scope(request: GenerationRequest) -> tuple[str, str]:
     """The request's tenant and namespace as the miss book keeps them (digests)."""
     return _namespace_digest(request.tenant), _namespace_digest(request.namespace)
-
-

@@ -269,4 +269,3 @@ def _admin_only(authenticate):
             raise APIError(403, "this endpoint needs an admin key", type="permission_error", code="forbidden")
 
     return admin_only
-
