@@ -79,21 +79,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 
     if args.command == "hash-key":
-        from skippy_cache.server.tenants import NAME, hash_key, new_key
+        from skippy_cache.server.tenants import KeyFileError, hash_key, new_key, parse_key_file
 
-        for name in [args.tenant, *filter(None, args.shared.split(","))]:
-            if not NAME.fullmatch(name):
-                parser.error(f"{name!r} is not a name (letters, digits, '_', '.', '-'; at most 64)")
         key = args.key
         if key == "-":
             key = sys.stdin.readline().strip()
         elif key is None:
             key = new_key()
-            print(f"key: {key}", file=sys.stderr)
         if not key:
             parser.error("the key is empty")
         options = [f"shared={args.shared}" if args.shared else "", f"store={args.store}" if args.store != "all" else ""]
-        print(" ".join(filter(None, [hash_key(key), args.tenant, args.role, *options])))
+        line = " ".join(filter(None, [hash_key(key), args.tenant, args.role, *options]))
+        try:
+            parse_key_file(line, "hash-key")  # the server's own check: what it would refuse is not printed
+        except KeyFileError as exc:
+            parser.error(str(exc))
+        if args.key is None:
+            print(f"key: {key}", file=sys.stderr)
+        print(line)
         return 0
 
     if args.command == "demo":

@@ -156,7 +156,7 @@ class PrefixHasher:
                 "ask in ascending order (prefix_identities sorts for you)"
             )
         if token_count > self._fed:
-            self._hasher.update(_token_bytes(self._tokens[self._fed : token_count]))
+            self._hasher.update(token_bytes(self._tokens[self._fed : token_count]))
             self._fed = token_count
         final = self._hasher.copy()
         final.update(struct.pack("<Q", token_count))
@@ -184,7 +184,8 @@ def prefix_identities(
     return {n: hasher.identity(n) for n in sorted(set(counts))}
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as every hash of them reads them: int32, little-endian."""
     packed = array("i", tokens)
     if packed.itemsize != _TOKEN_ITEMSIZE:  # pragma: no cover - exotic C ABI
         return struct.pack(f"<{len(tokens)}i", *tokens)

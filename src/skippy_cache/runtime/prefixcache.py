@@ -33,7 +33,6 @@ the shared tier holds into RAM before its request is queued.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -526,27 +525,26 @@ class PrefixCache:
         """
         if not self.tenant_share_tokens:
             return False
-        held = self._tenant_tokens()
-        past = {tenant for tenant, tokens in held.items() if tenant is not None and tokens > self.tenant_share_tokens}
+        held = self._resident_figures()
+        past = {tenant for tenant, f in held.items() if tenant is not None and f.tokens > self.tenant_share_tokens}
         if not past:
             return False
         resident = self.tiers.resident
         seqs = {e.seq_id for e in resident.entries() if self._owners.get(e.page_id) in past}
         return self.evict_where(seqs.__contains__)
 
-    def _tenant_tokens(self) -> Counter[str | None]:
-        held: Counter[str | None] = Counter()
-        for entry in self.tiers.resident.entries():
-            held[self._owners.get(entry.page_id)] += entry.token_count
-        return held
-
-    def tenant_figures(self) -> dict[str | None, TenantFigures]:
-        """Each tenant's resident entries and their tokens, and its pages in the store."""
+    def _resident_figures(self) -> dict[str | None, TenantFigures]:
+        """Each tenant's resident entries and their tokens (no store pages)."""
         figures: dict[str | None, TenantFigures] = {}
         for entry in self.tiers.resident.entries():
             f = figures.setdefault(self._owners.get(entry.page_id), TenantFigures())
             f.entries += 1
             f.tokens += entry.token_count
+        return figures
+
+    def tenant_figures(self) -> dict[str | None, TenantFigures]:
+        """Each tenant's resident entries and their tokens, and its pages in the store."""
+        figures = self._resident_figures()
         if self.store is not None:
             for owner, pages in self.store.owners().items():
                 figures.setdefault(owner, TenantFigures()).stored_pages = pages

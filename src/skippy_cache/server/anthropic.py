@@ -36,7 +36,7 @@ from skippy_cache.runtime import (
 from skippy_cache.server.bridge import EngineRuns
 from skippy_cache.server.errors import APIError, anthropic_error_body
 from skippy_cache.server.generation import Generation, parse_body, sse_event
-from skippy_cache.server.jobs import ChatJob
+from skippy_cache.server.jobs import ChatJob, scoped
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (
     CacheControl,
@@ -285,8 +285,8 @@ def to_job(body: MessagesRequest, scope: Scope) -> ChatJob:
     choice = body.tool_choice or AnthropicToolChoice(type="auto")
     mode = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or choice.name
     return ChatJob(
-        **settings, namespace=scope.namespace(body.cache_salt), tenant=scope.tenant, keep=scope.keep,
-        lookup=body.cache.lookup, record=body.cache.store, pin=body.pin,
+        **settings, **scoped(scope, body.cache_salt), lookup=body.cache.lookup, record=body.cache.store,
+        pin=body.pin,
         messages=messages, tools=[_tool_spec(t) for t in body.tools or ()], tool_mode=mode if body.tools else "none",
         # One call unless the client allows several: small models asked for "one or more" tend
         # to repeat a call until max_tokens.

@@ -55,8 +55,9 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     `keys`: the keys in use, which the caller may reload (default: read from
     the settings; `KeyFileError` for a bad key file).
     """
-    if keys is None and (settings.api_keys is not None or settings.api_key):
-        keys = Keys(settings.api_keys, settings.api_key)
+    if keys is None:
+        keys = Keys.for_settings(settings)
+    tenants = keys is not None and keys.tenants
     started = int(time.time())
     model_id = engine.info.model.model_id
     models = ModelNames(model_id, settings.model_alias, strict=settings.strict_model_names)
@@ -96,7 +97,7 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
         models=models,
         limits=limits,
         system_fingerprint=f"skippy-{engine.info.model.digest[:12]}",
-        tenant_requests=TenantRequests(settings.tenant_max_requests if keys is not None and keys.tenants else 0),
+        tenant_requests=TenantRequests(settings.tenant_max_requests if tenants else 0),
         trace=trace,
     )
     app.state.generation = generation
@@ -136,8 +137,6 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
         # The card of the model that serves this name (any name, unless --strict-model-names).
         models.check(model)
         return model_card()
-
-    tenants = keys is not None and keys.tenants
 
     @v1.get("/cache")
     async def cache(request: Request) -> dict:

@@ -30,7 +30,7 @@ from skippy_cache.runtime import (
 from skippy_cache.server.bridge import EngineRun, EngineRuns, cancel_on_disconnect
 from skippy_cache.server.chat import ChatFormatter
 from skippy_cache.server.errors import APIError, error_body, from_engine_error, from_validation_errors
-from skippy_cache.server.jobs import ChatJob, Job
+from skippy_cache.server.jobs import ChatJob, Job, scoped
 from skippy_cache.server.limits import RequestLimits, TenantRequests
 from skippy_cache.server.metrics import ServerMetrics
 from skippy_cache.server.modelnames import ModelNames
@@ -181,7 +181,7 @@ class Generation:
         namespace = scope.namespace(body.cache_salt)
         if body.messages is not None:
             self.limits.check_messages(len(body.messages))
-            job = ChatJob(sampling=SamplingParams(), max_tokens=1, namespace=namespace, tenant=scope.tenant,
+            job = ChatJob(sampling=SamplingParams(), max_tokens=1, **scoped(scope, body.cache_salt),
                           messages=body.messages, tools=body.tools or [])
             prompt = await asyncio.to_thread(self._chat_prompt, job)
         else:
@@ -208,7 +208,8 @@ class Generation:
         try:
             self.tenant_requests.take(tenant, job.choices)
         except APIError:
-            self.metrics.tenant_refused.labels(tenant).inc()
+            assert tenant is not None  # only a tenant is limited
+            self.metrics.refused(tenant)
             raise
         arrived = time.monotonic()
 
@@ -298,8 +299,7 @@ class OneReplyFormat(Protocol):
 
 def _job_fields(body: CompletionRequest | ChatCompletionRequest, scope: Scope) -> dict:
     """The `Job` fields both OpenAI bodies spell alike."""
-    return {"sampling": body.sampling(), "stop": body.stop_strings(), "namespace": scope.namespace(body.cache_salt),
-            "tenant": scope.tenant, "keep": scope.keep,
+    return {"sampling": body.sampling(), "stop": body.stop_strings(), **scoped(scope, body.cache_salt),
             "lookup": body.cache.lookup, "record": body.cache.store, "pin": body.pin, "choices": body.choices}
 
 

@@ -12,6 +12,12 @@ from dataclasses import dataclass, field
 
 from skippy_cache.runtime import Keep, SamplingParams
 from skippy_cache.server.schemas import ChatMessage, ToolSpec
+from skippy_cache.server.tenants import Scope
+
+
+def scoped(scope: Scope, cache_salt: str | None) -> dict:
+    """The `Job` fields a request's scope (its caller) and `cache_salt` decide."""
+    return {"namespace": scope.namespace(cache_salt), "tenant": scope.tenant, "keep": scope.keep}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,36 +50,20 @@ class ServerMetrics:
             "skippy_time_to_first_token_seconds", "Submit to first generated token (queue + prefill)",
             buckets=TTFT_BUCKETS, registry=r,
         )
-        # Per tenant (with --api-keys): labelled by the tenant's name, never by its key.
-        self.tenant_requests = Counter(
-            "skippy_tenant_requests", "Engine requests ended, by tenant", ["tenant"], registry=r
-        )
-        self.tenant_prompt_tokens = Counter(
-            "skippy_tenant_prompt_tokens", "Prompt tokens of ended requests, by tenant", ["tenant"], registry=r
-        )
-        self.tenant_cached_tokens = Counter(
-            "skippy_tenant_cached_prompt_tokens", "Prompt tokens served from the cache, by tenant", ["tenant"],
-            registry=r,
-        )
-        self.tenant_refused = Counter(
-            "skippy_tenant_refused", "Requests refused for a tenant past --tenant-max-requests (429)", ["tenant"],
-            registry=r,
-        )
         self._prompt_total = 0
         self._cached_total = 0
-        #: Each tenant's own figures, for what a user key may see (/v1/cache, the dashboard).
+        #: Each tenant's own figures: what a user key may see (/v1/cache, the dashboard), and the
+        #: `skippy_tenant_*` series (labelled by the tenant's name, never by its key).
         self.tenants: dict[str, TenantTotals] = {}
         #: The dashboard's recent history.
         self.timeline = Timeline()
         r.register(EngineCollector(engine))
+        r.register(TenantCollector(self.tenants))
 
     def observe_done(self, done: DoneEvent, tenant: str | None = None) -> None:
         self.timeline.add(done, tenant=tenant)
         stats = done.stats
         if tenant is not None:
-            self.tenant_requests.labels(tenant).inc()
-            self.tenant_prompt_tokens.labels(tenant).inc(stats.prompt_tokens)
-            self.tenant_cached_tokens.labels(tenant).inc(stats.cached_tokens)
             self.tenants.setdefault(tenant, TenantTotals()).add(done)
         self.generations.labels(done.finish_reason.value).inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
@@ -94,6 +78,10 @@ class ServerMetrics:
 
     def tenant_totals(self, tenant: str) -> TenantTotals:
         return self.tenants.get(tenant) or TenantTotals()
+
+    def refused(self, tenant: str) -> None:
+        """A request of `tenant` refused past --tenant-max-requests."""
+        self.tenants.setdefault(tenant, TenantTotals()).refused += 1
 
     def endpoint_label(self, path: str) -> str:
         # Unknown paths share one label: a scanner must not grow the series without bound.
@@ -115,6 +103,8 @@ class TenantTotals:
     #: Requests by why they reused no more, as each was told (another tenant's prompt is `never_seen`).
     misses: dict[str, int] = field(default_factory=dict)
     missed_tokens: dict[str, int] = field(default_factory=dict)
+    #: Requests refused past --tenant-max-requests (429).
+    refused: int = 0
 
     def add(self, done: DoneEvent) -> None:
         stats = done.stats
@@ -126,6 +116,30 @@ class TenantTotals:
             self.misses[stats.miss_reason] = self.misses.get(stats.miss_reason, 0) + 1
             missed = stats.prompt_tokens - stats.cached_tokens
             self.missed_tokens[stats.miss_reason] = self.missed_tokens.get(stats.miss_reason, 0) + missed
+
+
+class TenantCollector(Collector):
+    """The `skippy_tenant_*` counters, read from the tenants' totals at scrape time."""
+
+    def __init__(self, tenants: dict[str, TenantTotals]) -> None:
+        self.tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            "skippy_tenant_requests": ("Engine requests ended, by tenant", lambda t: t.requests),
+            "skippy_tenant_prompt_tokens": ("Prompt tokens of ended requests, by tenant", lambda t: t.prompt_tokens),
+            "skippy_tenant_cached_prompt_tokens": (
+                "Prompt tokens served from the cache, by tenant", lambda t: t.cached_tokens
+            ),
+            "skippy_tenant_refused": (
+                "Requests refused for a tenant past --tenant-max-requests (429)", lambda t: t.refused
+            ),
+        }
+        for name, (doc, value) in families.items():
+            family = CounterMetricFamily(name, doc, labels=["tenant"])
+            for tenant, totals in sorted(self.tenants.items()):
+                family.add_metric([tenant], value(totals))
+            yield family
 
 
 class EngineCollector(Collector):

@@ -31,7 +31,7 @@ from skippy_cache.runtime import (
 from skippy_cache.server.bridge import EngineRuns
 from skippy_cache.server.errors import APIError, error_body
 from skippy_cache.server.generation import Generation, parse_body, sse_event
-from skippy_cache.server.jobs import ChatJob
+from skippy_cache.server.jobs import ChatJob, scoped
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (
     CacheControl,
@@ -307,8 +307,7 @@ def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
     )
     tools = [ToolSpec(type="function", function=FunctionSpec.model_validate(t.model_dump(exclude={"type"})))
              for t in body.tools or ()]
-    return ChatJob(sampling=sampling, max_tokens=body.max_output_tokens, namespace=scope.namespace(body.cache_salt),
-                   tenant=scope.tenant, keep=scope.keep,
+    return ChatJob(sampling=sampling, max_tokens=body.max_output_tokens, **scoped(scope, body.cache_salt),
                    lookup=body.cache.lookup, record=body.cache.store, pin=body.pin, messages=messages,
                    tools=tools, tool_mode=body.tool_mode,
                    # One call unless asked for more: small models asked for "one or more" tend to

@@ -114,7 +114,7 @@ def serve(settings: ServerSettings) -> int:
     `SettingsError`, `StartupError` or `CacheDirBusy` (the CLI prints it in one line)."""
     check_listen(settings.host, settings.port)
     # Read before the model loads: a bad key file stops the start in one line naming the line.
-    keys = Keys(settings.api_keys, settings.api_key) if settings.api_keys is not None or settings.api_key else None
+    keys = Keys.for_settings(settings)
     log.info("loading model %s", settings.model or "(default: SmolLM2-135M-Instruct Q4_1)")
     engine = Engine(settings.engine_config())
     try:

@@ -40,7 +40,7 @@ from pathlib import Path
 from starlette.requests import Request
 
 from skippy_cache.runtime import Keep
-from skippy_cache.server.settings import SettingsError
+from skippy_cache.server.settings import ServerSettings, SettingsError
 
 log = logging.getLogger("skippy_cache.server")
 
@@ -50,7 +50,7 @@ NAMESPACE_HEADER = "x-skippy-namespace"
 #: Tenant and shared namespace names: no separator, no control characters, nothing to escape.
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 #: Parts of a namespace are joined with a control character, which `cache_salt` may not hold
-#: (schemas.CACHE_SALT): a salt can never spell another tenant's namespace.
+#: (schemas.CacheSalt): a salt can never spell another tenant's namespace.
 _SEP = "\x1f"
 #: The tenant of the single `--api-key`, when a key file names tenants too.
 ADMIN_KEY_TENANT = "admin"
@@ -129,7 +129,11 @@ class KeyEntry:
 
 def hash_key(key: str) -> str:
     """A key as the key file stores it: `sha256:` and the hex digest of its UTF-8 bytes."""
-    return HASH_PREFIX + hashlib.sha256(key.encode("utf-8")).hexdigest()
+    return HASH_PREFIX + _sha256(key).hex()
+
+
+def _sha256(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
 
 
 def new_key() -> str:
@@ -212,7 +216,7 @@ def _digest(key: str, where: str) -> bytes:
             raise KeyFileError(f"{where}: a hashed key is 'sha256:' and 64 lowercase hex digits")
         return bytes.fromhex(hexdigest)
     log.warning("%s holds a plain key: store its hash instead (skippy-cache hash-key)", where)
-    return hashlib.sha256(key.encode("utf-8")).digest()
+    return _sha256(key)
 
 
 class Keys:
@@ -221,11 +225,17 @@ class Keys:
     def __init__(self, path: Path | None, admin_key: str | None) -> None:
         self.path = path
         self._admin = (
-            KeyEntry(hashlib.sha256(admin_key.encode("utf-8")).digest(),
-                     Caller(ADMIN_KEY_TENANT if path is not None else None, Role.ADMIN))
+            KeyEntry(_sha256(admin_key), Caller(ADMIN_KEY_TENANT if path is not None else None, Role.ADMIN))
             if admin_key else None
         )
         self._entries = self._load()
+
+    @classmethod
+    def for_settings(cls, settings: ServerSettings) -> Keys | None:
+        """The keys `--api-keys` and `--api-key` name (`KeyFileError` for a bad file); None: an open server."""
+        if settings.api_keys is None and not settings.api_key:
+            return None
+        return cls(settings.api_keys, settings.api_key)
 
     @property
     def tenants(self) -> bool:
@@ -249,7 +259,7 @@ class Keys:
         return len(entries)
 
     def authenticate(self, key: str) -> Caller | None:
-        digest = hashlib.sha256(key.encode("utf-8")).digest()
+        digest = _sha256(key)
         found: Caller | None = None
         for entry in self._entries:  # every entry, matched or not: the time does not tell which
             if hmac.compare_digest(entry.digest, digest):

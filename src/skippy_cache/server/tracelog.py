@@ -31,8 +31,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 from blake3 import blake3
+
+from skippy_cache.identity import token_bytes
 
 #: Tokens per block, as in Mooncake's traces.
 BLOCK_TOKENS = 512
@@ -42,7 +43,7 @@ _PRIVATE_FILE = 0o600
 
 def hash_ids(salt: bytes, tokens: Sequence[int], block_tokens: int = BLOCK_TOKENS) -> list[int]:
     """The ids of a prompt's blocks: each a 63-bit keyed hash of the prefix that ends with it."""
-    data = np.asarray(tokens, dtype="<u4").tobytes()
+    data = token_bytes(tokens)
     state = blake3(key=salt)
     ids = []
     for start in range(0, len(tokens), block_tokens):
