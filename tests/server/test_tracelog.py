@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ SALT = bytes(range(32))
 
 @given(st.lists(st.integers(0, 50_000), min_size=1, max_size=3000),
        st.lists(st.integers(0, 50_000), min_size=1, max_size=3000))
-def test_two_prompts_share_their_first_ids_exactly_as_far_as_they_share_whole_blocks(a: list[int], b: list[int]) -> None:
+def test_two_prompts_share_their_first_ids_exactly_as_far_as_they_share_whole_blocks(
+        a: list[int], b: list[int]) -> None:
     ids_a, ids_b = hash_ids(SALT, a, 64), hash_ids(SALT, b, 64)
     assert len(ids_a) == -(-len(a) // 64)
     for k in range(min(len(ids_a), len(ids_b))):
@@ -56,3 +59,16 @@ def test_a_line_per_request_in_mooncakes_format(tmp_path: Path) -> None:
     assert second["hash_ids"] == first["hash_ids"][:1] and "tenant" not in second
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert log.salt == load_salt(tmp_path / "trace.jsonl.salt"), "the salt is kept beside the log"
+
+
+@pytest.mark.parametrize("problem", ["no directory", "a bad salt"])
+def test_a_trace_log_that_cannot_be_kept_stops_the_start_naming_it(tmp_path: Path, problem: str) -> None:
+    path = tmp_path / "missing" / "trace.jsonl"
+    if problem == "a bad salt":
+        path = tmp_path / "trace.jsonl"
+        (tmp_path / "trace.jsonl.salt").write_bytes(b"short")
+    out = subprocess.run([sys.executable, "-m", "skippy_cache", "serve", "--trace-log", str(path), "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"skippy-cache serve: error: --trace-log {path}: " in out.stderr
+    assert "Traceback" not in out.stderr and "loading model" not in out.stderr

@@ -46,14 +46,14 @@ ENDPOINTS = (
 
 
 def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = False,
-               keys: Keys | None = None) -> FastAPI:
+               keys: Keys | None = None, trace: TraceLog | None = None) -> FastAPI:
     """The HTTP API over a running engine.
 
     With `owns_engine`, shutdown closes the engine after the server has
     stopped taking requests and finished the ones in flight (drain).
     Tests pass False to share one engine between several apps.
-    `keys`: the keys in use, which the caller may reload (default: read from
-    the settings; `KeyFileError` for a bad key file).
+    `keys`: the keys in use, which the caller may reload, and `trace`: the
+    trace log, closed at shutdown (default: both as the settings name them).
     """
     if keys is None:
         keys = Keys.for_settings(settings)
@@ -63,7 +63,8 @@ def create_app(engine: Engine, settings: ServerSettings, *, owns_engine: bool = 
     models = ModelNames(model_id, settings.model_alias, strict=settings.strict_model_names)
     limits = RequestLimits.from_settings(settings, engine.info.n_ctx)
 
-    trace = TraceLog(settings.trace_log) if settings.trace_log is not None else None
+    if trace is None:
+        trace = TraceLog.for_settings(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

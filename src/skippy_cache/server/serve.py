@@ -21,6 +21,7 @@ from skippy_cache.server.app import create_app
 from skippy_cache.server.chat import ChatFormatter
 from skippy_cache.server.settings import ServerSettings
 from skippy_cache.server.tenants import KeyFileError, Keys
+from skippy_cache.server.tracelog import TraceLog
 
 log = logging.getLogger("skippy_cache.server")
 
@@ -113,12 +114,13 @@ def serve(settings: ServerSettings) -> int:
     """Run the server until SIGTERM; a start-up failure a user caused raises
     `SettingsError`, `StartupError` or `CacheDirBusy` (the CLI prints it in one line)."""
     check_listen(settings.host, settings.port)
-    # Read before the model loads: a bad key file stops the start in one line naming the line.
+    # Read before the model loads: a bad key file or trace log stops the start in one line.
     keys = Keys.for_settings(settings)
+    trace = TraceLog.for_settings(settings)
     log.info("loading model %s", settings.model or "(default: SmolLM2-135M-Instruct Q4_1)")
     engine = Engine(settings.engine_config())
     try:
-        app = create_app(engine, settings, owns_engine=True, keys=keys)
+        app = create_app(engine, settings, owns_engine=True, keys=keys, trace=trace)
         log.info("%s", startup_report(engine, settings, app.state.generation.chat))
         if not _is_loopback(settings.host) and keys is None:
             log.warning("listening on %s without --api-key: anyone who can reach it may use it", settings.host)

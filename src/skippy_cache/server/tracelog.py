@@ -34,6 +34,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from skippy_cache.identity import token_bytes
+from skippy_cache.server.settings import ServerSettings, SettingsError
 
 #: Tokens per block, as in Mooncake's traces.
 BLOCK_TOKENS = 512
@@ -79,6 +80,17 @@ class TraceLog:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, _PRIVATE_FILE)
         self._file = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_settings(cls, settings: ServerSettings) -> TraceLog | None:
+        """The log `--trace-log` names (None: none); `SettingsError` naming the file if it cannot be
+        written or its salt file is malformed."""
+        if settings.trace_log is None:
+            return None
+        try:
+            return cls(settings.trace_log)
+        except (OSError, ValueError) as exc:
+            raise SettingsError(f"--trace-log {settings.trace_log}: {getattr(exc, 'strerror', None) or exc}") from None
 
     def write(self, arrived: float, tokens: Sequence[int], output_length: int, tenant: str | None) -> None:
         """One request: it arrived at `arrived` (`time.monotonic()`), with these prompt tokens."""
