@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark skippy-cache against llama-cpp-python / any OpenAI-compatible server "
         "(needs the 'bench' extra; `skippy-cache bench --help` for options)",
     )
+    sub.add_parser(
+        "replay",
+        add_help=False,
+        help="replay a Mooncake-format trace through the cache's tiers, no model loaded: hit ratios per tier "
+        "for given capacities, replicas and eviction policy (`skippy-cache replay --help` for options)",
+    )
     hash_key = sub.add_parser(
         "hash-key",
         help="make a line of an --api-keys file: a new key (or one given) and its hash",
@@ -75,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             parser.exit(1, f"skippy-cache bench: error: {exc}; needs the extra: pip install -e '.[bench]'\n")
         return bench_main(rest)
+    if args.command == "replay":
+        from skippy_cache.sizing.cli import main as replay_main
+
+        return replay_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
 

@@ -1,6 +1,8 @@
 """Sealed chunks in RAM and on disk, as one store.
 
-RAM is an LRU of sealed values under `ram_bytes` (0: no RAM tier). The disk
+RAM holds sealed values under `ram_bytes` (0: no RAM tier), evicted in the
+order of an eviction policy (eviction.py: LRU, or LRFU over the prefix tree,
+which needs each chunk's parent: the chunk before it in its prompt). The disk
 is write-through: `add` writes both, so a chunk that leaves RAM's LRU is
 already on disk (spilled, not lost), and a disk hit is promoted back into RAM.
 Without a disk, a chunk leaving RAM is gone.
@@ -18,19 +20,20 @@ never added again count in neither (the disk's stats hold their bytes).
 
 Invariants, checked by `check_invariants` and the property tests:
 - RAM's booked bytes equal the sum of its values' sizes and never exceed `ram_max_bytes`;
-- RAM is ordered least recently used first; eviction takes the first;
+- RAM's books hold exactly the keys of its values (and their own invariants hold);
 - the disk's own invariants (`DiskChunks.check_invariants`).
 """
 
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from skippy_cache.chunks import Chunk, ChunkError, unseal
 from skippy_cache.diskchunks import DiskChunks, DiskChunkStats
+from skippy_cache.eviction import Policy, make_books
 
 
 class Tier(str, enum.Enum):
@@ -63,15 +66,28 @@ def slower(a: Tier | None, b: Tier | None) -> Tier | None:
 
 
 class ChunkStore:
-    """A RAM LRU over a write-through disk tier; every read verified."""
+    """A RAM tier over a write-through disk tier; every read verified.
 
-    def __init__(self, ram_bytes: int, disk: DiskChunks | None) -> None:
+    `parent` and `tail`, where a method takes them, are the eviction policy's
+    hints (eviction.py): the key of the chunk before this one in its prompt, and
+    whether it ends a prompt off the block grid.
+    """
+
+    def __init__(
+        self,
+        ram_bytes: int,
+        disk: DiskChunks | None,
+        *,
+        policy: Policy | str = Policy.LRU,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if ram_bytes < 0:
             raise ValueError(f"ram_bytes must be >= 0, got {ram_bytes}")
         self.ram_max_bytes = ram_bytes
         self.disk = disk
-        self._ram: OrderedDict[str, bytes] = OrderedDict()  # key -> sealed value, least recently used first
-        self._ram_bytes = 0
+        self.policy = Policy(policy)
+        self._ram: dict[str, bytes] = {}  # key -> sealed value
+        self._ram_books = make_books(self.policy, clock)
         #: key -> (nbytes, adds) for keys added by this process; pruned lazily once they are held nowhere.
         self._added: dict[str, tuple[int, int]] = {}
         self._ram_hits = 0
@@ -109,13 +125,13 @@ class ChunkStore:
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def get(self, key: str) -> Chunk | None:
-        """The verified chunk, now the most recently used; None on a miss or a value that fails."""
+    def get(self, key: str, *, parent: str | None = None, tail: bool = False) -> Chunk | None:
+        """The verified chunk, now used; None on a miss or a value that fails."""
         value = self._ram.get(key)
         if value is not None:
             chunk = self._verify(key, value, Tier.RAM)
             if chunk is not None:
-                self._ram.move_to_end(key)
+                self._ram_books.touch(key)
                 self._ram_hits += 1
                 return chunk
         if self.disk is not None and key in self.disk:
@@ -123,7 +139,7 @@ class ChunkStore:
             chunk = None if value is None else self._verify(key, value, Tier.DISK)
             if chunk is not None:
                 self._disk_hits += 1
-                self._ram_put(key, value)  # promoted: the next read of it is a RAM hit
+                self._ram_put(key, value, parent, tail)  # promoted: the next read of it is a RAM hit
                 return chunk
         self._misses += 1
         return None
@@ -153,7 +169,9 @@ class ChunkStore:
 
     # -- writes ----------------------------------------------------------------------------------
 
-    def add(self, key: str, nbytes: int, seal: Callable[[], bytes]) -> bool:
+    def add(
+        self, key: str, nbytes: int, seal: Callable[[], bytes], *, parent: str | None = None, tail: bool = False
+    ) -> bool:
         """Store a chunk under `key` unless held; `seal()` is called only if it is stored.
 
         `nbytes` (the chunk's payload size) counts toward `logical_bytes` either way.
@@ -162,64 +180,69 @@ class ChunkStore:
         if self.share(key, nbytes):
             return False
         value = seal()
-        on_disk = self.disk is not None and self.disk.put(key, value)
-        return self.add_written(key, nbytes, value, on_disk=on_disk)
+        on_disk = self.disk is not None and self.disk.put(key, value, parent=parent, tail=tail)
+        return self.add_written(key, nbytes, value, on_disk=on_disk, parent=parent, tail=tail)
 
-    def adopt(self, key: str, value: bytes) -> bool:
+    def adopt(self, key: str, value: bytes, *, parent: str | None = None, tail: bool = False) -> bool:
         """Keep a verified value another process stored (the shared tier) in RAM; False if it cannot fit.
 
         Not counted as added: this process did not compute it, so it counts in no dedup figure.
         """
-        return self._ram_put(key, value)
+        return self._ram_put(key, value, parent, tail)
 
     def ram_value(self, key: str) -> bytes | None:
         """The sealed value held in RAM (unverified; recency unchanged), for copying it to disk."""
         return self._ram.get(key)
 
-    def book_on_disk(self, key: str, size: int) -> None:
+    def book_on_disk(self, key: str, size: int, *, parent: str | None = None, tail: bool = False) -> None:
         """Count a file a writer copied from RAM to disk (`DiskChunks.write_file`) without the lock."""
         assert self.disk is not None
-        self.disk.book(key, size)
+        self.disk.book(key, size, parent=parent, tail=tail)
 
     def share(self, key: str, nbytes: int) -> bool:
-        """If `key` is held, count another entry's use of it (dedup) and return True."""
+        """If `key` is held, count another entry's use of it (dedup: a use, for eviction) and return True."""
         if key not in self:
             return False
+        self._ram_books.touch(key)
+        if self.disk is not None:
+            self.disk.touch(key)
         self._duplicates += 1
         size, adds = self._added.get(key, (nbytes, 0))
         self._added[key] = (size, adds + 1)
         return True
 
-    def add_written(self, key: str, nbytes: int, value: bytes, *, on_disk: bool) -> bool:
+    def add_written(
+        self, key: str, nbytes: int, value: bytes, *, on_disk: bool, parent: str | None = None, tail: bool = False
+    ) -> bool:
         """`add` for a value already sealed, whose file a writer wrote without the store's lock
         (`DiskChunks.write_file`; `on_disk` says whether it did): books it on disk, puts it in RAM."""
         if on_disk:
             assert self.disk is not None
-            self.disk.book(key, len(value))
-        in_ram = self._ram_put(key, value)
+            self.disk.book(key, len(value), parent=parent, tail=tail)
+        in_ram = self._ram_put(key, value, parent, tail)
         if on_disk or in_ram:
             self._added[key] = (nbytes, 1)
         return on_disk or in_ram
 
-    def _ram_put(self, key: str, value: bytes) -> bool:
-        """Into RAM, evicting least recently used values to fit; False if it cannot fit at all."""
+    def _ram_put(self, key: str, value: bytes, parent: str | None = None, tail: bool = False) -> bool:
+        """Into RAM, evicting values in the policy's order to fit; False if it cannot fit at all."""
         size = len(value)
         if size > self.ram_max_bytes:
             return False
         self._ram_drop(key)
-        while self._ram_bytes + size > self.ram_max_bytes:
-            victim, old = self._ram.popitem(last=False)
-            self._ram_bytes -= len(old)
+        books = self._ram_books
+        while books.bytes + size > self.ram_max_bytes:
+            victim, _ = books.evict()
+            del self._ram[victim]
             if self.disk is None or victim not in self.disk:
                 self._added.pop(victim, None)  # held nowhere now
         self._ram[key] = value
-        self._ram_bytes += size
+        books.add(key, size, parent=parent, tail=tail)
         return True
 
     def _ram_drop(self, key: str) -> None:
-        old = self._ram.pop(key, None)
-        if old is not None:
-            self._ram_bytes -= len(old)
+        if self._ram.pop(key, None) is not None:
+            self._ram_books.remove(key)
 
     def discard(self, key: str) -> bool:
         """Forget a chunk in every tier; False if it was held nowhere."""
@@ -232,8 +255,8 @@ class ChunkStore:
 
     def clear(self) -> None:
         """Forget every chunk in every tier (the counters stay)."""
-        self._ram.clear()
-        self._ram_bytes = 0
+        for key in list(self._ram):
+            self._ram_drop(key)
         if self.disk is not None:
             self.disk.clear()
         self._added.clear()
@@ -248,7 +271,7 @@ class ChunkStore:
         physical = sum(size for size, _ in self._added.values())
         return ChunkStoreStats(
             ram_chunks=len(self._ram),
-            ram_bytes=self._ram_bytes,
+            ram_bytes=self._ram_books.bytes,
             ram_max_bytes=self.ram_max_bytes,
             ram_hits=self._ram_hits,
             disk_hits=self._disk_hits,
@@ -263,8 +286,11 @@ class ChunkStore:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the books contradict themselves (tests and debug)."""
+        books = self._ram_books
+        books.check_invariants()
+        assert set(books.keys()) == set(self._ram), "RAM's books and values hold different keys"
         total = sum(len(v) for v in self._ram.values())
-        assert total == self._ram_bytes, f"RAM byte books {self._ram_bytes} != values' {total}"
-        assert self._ram_bytes <= self.ram_max_bytes, f"RAM {self._ram_bytes} over {self.ram_max_bytes}"
+        assert total == books.bytes, f"RAM byte books {books.bytes} != values' {total}"
+        assert books.bytes <= self.ram_max_bytes, f"RAM {books.bytes} over {self.ram_max_bytes}"
         if self.disk is not None:
             self.disk.check_invariants()

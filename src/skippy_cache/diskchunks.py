@@ -1,4 +1,4 @@
-"""The disk tier: sealed chunks as files under one cache directory, LRU under a byte budget.
+"""The disk tier: sealed chunks as files under one cache directory, under a byte budget.
 
     root/lock                         held (flock) by the one process using the directory
     root/v1/chunks/<2 hex>/<key>.chunk
@@ -21,7 +21,8 @@ inside is ours and private.
 
 Invariants, checked by `check_invariants` and the tests:
 - booked bytes equal the sum of the indexed files' sizes and never exceed `max_bytes`;
-- the index is ordered least recently used first (at open: by mtime); eviction takes the first;
+- eviction follows the policy's books (eviction.py); at open, files are booked oldest mtime first,
+  so the policy starts from the order of their last use;
 - one process per directory: a second open, in this process or another, raises `CacheDirBusy`.
 """
 
@@ -30,12 +31,14 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-from collections import OrderedDict
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from skippy_cache.chunks import is_key
+from skippy_cache.eviction import Policy, make_books
 
 GIB = 1 << 30
 
@@ -81,25 +84,22 @@ class DiskChunkStats:
 class DiskChunks:
     """Sealed chunk values as files, least recently used evicted first; one owner process per directory."""
 
-    def __init__(self, root: str | os.PathLike[str], max_bytes: int, *, reserve_bytes: int = GIB) -> None:
-        if max_bytes <= 0:
-            raise ValueError(f"a disk tier needs a positive byte budget, got {max_bytes}")
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        max_bytes: int,
+        *,
+        reserve_bytes: int = GIB,
+        policy: Policy | str = Policy.LRU,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if reserve_bytes < 0:
             raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
+        self._init_books(max_bytes, policy, clock)
         self.root = Path(root)
-        self.max_bytes = max_bytes
         self.reserve_bytes = reserve_bytes
         self._chunks_dir = self.root / _VERSION_DIR / "chunks"
         self._quarantine_dir = self.root / _VERSION_DIR / "quarantine"
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, least recently used first
-        self._bytes = 0
-        self._found_at_start = 0
-        self._removed_at_start = 0
-        self._writes = 0
-        self._write_failures = 0
-        self._skipped_full = 0
-        self._evictions = 0
-        self._quarantined = 0
         make_private_dirs(self.root)
         _refuse_if_others_can_write(self.root)
         # Locked before the scan: the scan deletes *.tmp files, which a live owner may be writing.
@@ -113,6 +113,20 @@ class DiskChunks:
         except BaseException:
             self.close()
             raise
+
+    def _init_books(self, max_bytes: int, policy: Policy | str, clock: Callable[[], float]) -> None:
+        """The books and counters, apart from the directory (a replay keeps only these: sizing.replay)."""
+        if max_bytes <= 0:
+            raise ValueError(f"a disk tier needs a positive byte budget, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._index = make_books(policy, clock)  # key -> file size, in eviction order
+        self._found_at_start = 0
+        self._removed_at_start = 0
+        self._writes = 0
+        self._write_failures = 0
+        self._skipped_full = 0
+        self._evictions = 0
+        self._quarantined = 0
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -153,8 +167,7 @@ class DiskChunks:
             _tighten(path, PRIVATE_FILE_MODE)
         found.sort()
         for _, key, size in found:
-            self._index[key] = size
-            self._bytes += size
+            self._index.add(key, size)
         self._found_at_start = len(found)
 
     def _remove_at_start(self, path: Path) -> None:
@@ -176,8 +189,8 @@ class DiskChunks:
         return key in self._index
 
     def keys(self) -> list[str]:
-        """Every key held, least recently used first."""
-        return list(self._index)
+        """Every key held (least recently used first under LRU)."""
+        return self._index.keys()
 
     def get(self, key: str) -> bytes | None:
         """The raw value (unverified: the caller unseals it), now the most recently used; None if absent."""
@@ -190,7 +203,7 @@ class DiskChunks:
         except OSError:
             self._forget(key)  # deleted behind our back, or unreadable: a miss from now on
             return None
-        self._index.move_to_end(key)
+        self._index.touch(key)
         try:
             os.utime(path)  # so that the LRU order survives a restart (it is rebuilt from mtimes)
         except OSError:
@@ -199,15 +212,16 @@ class DiskChunks:
 
     # -- writes ----------------------------------------------------------------------------------
 
-    def put(self, key: str, value: bytes) -> bool:
-        """Store a value atomically, evicting least recently used files to fit; False if not stored.
+    def put(self, key: str, value: bytes, *, parent: str | None = None, tail: bool = False) -> bool:
+        """Store a value atomically, evicting files to fit; False if not stored. `parent` and `tail`:
+        the eviction policy's hints (eviction.py).
 
         Never raises for the filesystem's sake: a full or read-only disk is a skipped entry.
         A key already held is not rewritten (keys name contents) and counts as stored.
         """
         if key in self._index:
             return True
-        return self.write_file(key, value) and self.book(key, len(value))
+        return self.write_file(key, value) and self.book(key, len(value), parent=parent, tail=tail)
 
     def write_file(self, key: str, value: bytes) -> bool:
         """The file half of `put`: write it atomically (temporary file, fsync, rename), books untouched.
@@ -243,18 +257,21 @@ class DiskChunks:
             return False
         return True
 
-    def book(self, key: str, size: int) -> bool:
-        """Count a file `write_file` wrote, evicting least recently used others to stay in budget."""
+    def book(self, key: str, size: int, *, parent: str | None = None, tail: bool = False) -> bool:
+        """Count a file `write_file` wrote, evicting others in the policy's order to stay in budget."""
         if key in self._index:
             return True
-        while self._index and self._bytes + size > self.max_bytes:
-            victim = next(iter(self._index))
-            self._unlink(victim)
+        while len(self._index) and self._index.bytes + size > self.max_bytes:
+            victim, _ = self._index.evict()
+            self._delete(victim)
             self._evictions += 1
-        self._index[key] = size
-        self._bytes += size
+        self._index.add(key, size, parent=parent, tail=tail)
         self._writes += 1
         return True
+
+    def touch(self, key: str) -> None:
+        """A use of a held chunk that read nothing (another entry produced it again)."""
+        self._index.touch(key)
 
     def unwrite(self, key: str) -> None:
         """Delete a file `write_file` wrote that will not be booked (its entry went meanwhile): left
@@ -300,20 +317,23 @@ class DiskChunks:
     def clear(self) -> int:
         """Delete every chunk; returns how many were held."""
         n = len(self._index)
-        for key in list(self._index):
+        for key in self._index.keys():
             self._unlink(key)
         return n
 
     def _unlink(self, key: str) -> None:
-        path = self._path(key)
         self._forget(key)
+        self._delete(key)
+
+    def _delete(self, key: str) -> None:
+        """Delete a file the books no longer hold."""
         try:
-            path.unlink(missing_ok=True)
+            self._path(key).unlink(missing_ok=True)
         except OSError:
             pass  # a read-only disk: the file stays, but the index no longer counts or serves it
 
     def _forget(self, key: str) -> None:
-        self._bytes -= self._index.pop(key)
+        self._index.remove(key)
 
     def _path(self, key: str) -> Path:
         return self._chunks_dir / key[:2] / f"{key}{_SUFFIX}"
@@ -323,7 +343,7 @@ class DiskChunks:
     def stats(self) -> DiskChunkStats:
         return DiskChunkStats(
             chunks=len(self._index),
-            bytes=self._bytes,
+            bytes=self._index.bytes,
             max_bytes=self.max_bytes,
             found_at_start=self._found_at_start,
             removed_at_start=self._removed_at_start,
@@ -337,9 +357,8 @@ class DiskChunks:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the books contradict themselves (tests and debug)."""
-        total = sum(self._index.values())
-        assert total == self._bytes, f"byte books {self._bytes} != indexed files' {total}"
-        assert self._bytes <= self.max_bytes, f"{self._bytes} bytes over the budget {self.max_bytes}"
+        self._index.check_invariants()
+        assert self._index.bytes <= self.max_bytes, f"{self._index.bytes} bytes over the budget {self.max_bytes}"
 
 
 def make_private_dirs(path: Path) -> None:

@@ -326,3 +326,41 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+# -- the eviction policy ----------------------------------------------------------------------
+
+
+def test_lrfu_ram_lets_a_prompts_last_chunk_go_before_its_first() -> None:
+    one = sealed_size(0)
+    store = ChunkStore(3 * one, None, policy="lrfu")
+    for i, parent in ((0, None), (1, K(0)), (2, K(1))):
+        c = make(i)
+        store.add(c.key, len(c.payload), Sealer(c), parent=parent)
+    add(store, 3)  # no room for four: the chain gives up its end, so it still serves two chunks
+    assert store.run([K(0), K(1), K(2)])[0] == 2
+    store.check_invariants()
+
+
+def test_lrfu_disk_evicts_leaves_and_books_a_restart(tmp_path: Path) -> None:
+    one = sealed_size(0)
+    with DiskChunks(tmp_path, 3 * one, reserve_bytes=0, policy="lrfu") as d:
+        store = ChunkStore(0, d, policy="lrfu")
+        for i, parent in ((0, None), (1, K(0)), (2, K(1)), (3, None)):
+            c = make(i)
+            store.add(c.key, len(c.payload), Sealer(c), parent=parent)
+        assert set(d.keys()) == {K(0), K(1), K(3)}
+        d.check_invariants()
+    with DiskChunks(tmp_path, 3 * one, reserve_bytes=0, policy="lrfu") as d:
+        assert set(d.keys()) == {K(0), K(1), K(3)}
+        d.check_invariants()
+
+
+def test_a_duplicate_add_is_a_use() -> None:
+    one = sealed_size(0)
+    store = ChunkStore(2 * one, None)  # LRU
+    add(store, 0)
+    add(store, 1)
+    add(store, 0)  # another entry produced chunk 0 again: now the most recently used
+    add(store, 2)
+    assert K(0) in store and K(1) not in store

@@ -107,7 +107,7 @@ def test_serve_answers_then_drains_on_sigterm(tmp_path: Path) -> None:
     # The one start-up block: model, pool, derived cache budgets, the store's tiers.
     for needle in ("skippy-cache server", "model ", "digest ", "n_ctx 2048", "lanes", "n_seq_max",
                    "mode lookup-record", "max entries 64", "token cap none", "reserved sequences 0..7",
-                   "min_tokens 64", "stride 128", "record limit 2", "store     chunks of 64 tokens",
+                   "min_tokens 64", "stride 128", "record limit 2", "store     chunks of 64 tokens, evicted lrfu",
                    f"disk {tmp_path / 'skippy-cache'}", "weights   CPU_Mapped 92 MiB (",
                    "test decode passed in a child process", "chat template: GGUF tokenizer.chat_template"):
         assert needle in text, f"{needle!r} missing from the start-up log:\n{text}"

@@ -152,6 +152,7 @@ def test_cache_endpoint_reports_budgets_and_stats(server: LiveServer) -> None:
     assert budgets["min_tokens"] == 64 and budgets["stride_tokens"] == 128 and budgets["record_limit"] == 2
     assert budgets["host_cache_bytes"] == server.engine.info.host_cache_bytes > 0
     assert budgets["idle_tokens"] == 256 and budgets["chunk_tokens"] == 64 and budgets["cache_dir"] is None
+    assert budgets["eviction"] == "lrfu"
     assert report["pool"]["n_ctx"] == server.engine.info.n_ctx
     for key in ("entries", "resident_tokens", "records", "evictions"):
         assert key in report["resident"]

@@ -8,6 +8,7 @@ import pytest
 
 from skippy_cache.__main__ import build_parser
 from skippy_cache.config import StageKvCacheMode
+from skippy_cache.eviction import Policy
 from skippy_cache.runtime import EngineConfig
 from skippy_cache.server.settings import OPTIONS, ServerSettings, SettingsError, default_cache_dir, load_settings
 from skippy_cache.weights import WeightRepack
@@ -55,6 +56,15 @@ def test_store_options(tmp_path: Path) -> None:
     assert (s.cache_dir, s.chunk_tokens) == (tmp_path / "d", 128)
     with pytest.raises(SettingsError, match=r"--chunk-tokens=100 must be a multiple of 64"):
         settings(["--chunk-tokens", "100"])
+
+
+def test_the_eviction_policy_from_cli_env_and_file(tmp_path: Path) -> None:
+    assert settings([]).engine_config().eviction is Policy.LRFU
+    assert settings(["--eviction", "lru"]).engine_config().eviction is Policy.LRU
+    assert settings([], {"SKIPPY_EVICTION": "LRU"}).eviction is Policy.LRU
+    assert settings(["--config", str(write(tmp_path, "eviction = 'lru'\n"))]).eviction is Policy.LRU
+    with pytest.raises(SettingsError, match=r"--eviction='fifo' is not an eviction policy \(one of: lru, lrfu\)"):
+        settings(["--eviction", "fifo"])
 
 
 def test_weight_repack_from_cli_env_and_file(tmp_path: Path) -> None:

@@ -224,6 +224,7 @@ class Engine:
             cache_dir=config.cache_dir if store is not None and store.chunks.disk is not None else None,
             disk_cache_bytes=config.disk_cache_bytes,
             chunk_tokens=config.chunk_tokens,
+            eviction=config.eviction,
             remote_url=store.remote.url if store is not None and store.remote is not None else None,
             store_note=store_note,
             idle_tokens=config.idle_tokens,

@@ -12,6 +12,7 @@ from skippy_cache.config import (
     StageKvCacheConfig,
     StageKvCacheMode,
 )
+from skippy_cache.eviction import Policy
 from skippy_cache.family import Family
 from skippy_cache.runtime.gguf_info import GgufInfo
 from skippy_cache.runtime.remote import RemoteConfig, RemoteStats
@@ -80,6 +81,8 @@ class EngineConfig:
     #: token at 64 as at 256, and a finer chunk shares more: another replica, or this one after
     #: a restart, finds a prompt's prefix by chunk names up to the last chunk boundary.
     chunk_tokens: int = 64
+    #: The order in which the RAM and disk tiers evict chunks (eviction.py).
+    eviction: Policy = Policy.LRFU
     #: Exports waiting for the store's writer, at most (past it an entry that
     #: leaves the pool is dropped rather than make the engine wait).
     max_pending_bytes: int = 512 << 20
@@ -132,6 +135,8 @@ class EngineInfo:
     cache_dir: Path | None
     disk_cache_bytes: int
     chunk_tokens: int
+    #: The RAM and disk tiers' eviction order (eviction.py).
+    eviction: Policy
     #: The shared tier's URL without credentials (None: none).
     remote_url: str | None
     #: Why there is no store although one was configured (e.g. a state format we cannot cut).

@@ -463,7 +463,7 @@ class StateStore:
         with self._cv:
             for i, key in enumerate(keys):
                 where = self.chunks.where(key)
-                chunk = self.chunks.get(key)
+                chunk = self.chunks.get(key, parent=keys[i - 1] if i else None)
                 # A full chunk holds exactly C tokens, a tail at most C: anything else ends the run.
                 if chunk is None or not (chunk.tokens == c or (i == len(keys) - 1 and chunk.tokens < c)):
                     break
@@ -591,7 +591,7 @@ class StateStore:
                 self.remote.rejected(key, exc)
                 return n
             with self._cv:
-                if not self.chunks.adopt(key, value):
+                if not self.chunks.adopt(key, value, parent=keys[n - 1] if n else None):
                     return n
         return len(keys)
 
@@ -721,7 +721,8 @@ class StateStore:
                     if on_disk and disk is not None:
                         disk.unwrite(key)
                     return
-                self.chunks.add_written(key, len(rows), value, on_disk=on_disk)
+                self.chunks.add_written(key, len(rows), value, on_disk=on_disk, parent=names[i - 1] if i else None,
+                                        tail=key == page.tail_key)
             if page.local:
                 continue
             if urgent:
@@ -744,7 +745,8 @@ class StateStore:
         """Copy a page's chunks that are only in RAM to disk (the file writes without the lock)."""
         disk = self.chunks.disk
         assert disk is not None
-        for key in [*page.chunk_keys, page.tail_key]:
+        names = [*page.chunk_keys, page.tail_key]
+        for i, key in enumerate(names):
             with self._cv:
                 value = None if key in disk else self.chunks.ram_value(key)
             if value is None or not disk.write_file(key, value):
@@ -753,7 +755,8 @@ class StateStore:
                 if self._pages.get(page_id) is not page:
                     disk.unwrite(key)  # cleared or discarded meanwhile, as in `_write`
                     return
-                self.chunks.book_on_disk(key, len(value))
+                self.chunks.book_on_disk(key, len(value), parent=names[i - 1] if i else None,
+                                         tail=key == page.tail_key)
 
 
 def _complete(futures: list[Future[None]]) -> None:
@@ -795,7 +798,8 @@ def open_store(
     disk = None
     if config.cache_dir is not None:
         try:
-            disk = DiskChunks(config.cache_dir, config.disk_cache_bytes, reserve_bytes=config.disk_reserve_bytes)
+            disk = DiskChunks(config.cache_dir, config.disk_cache_bytes, reserve_bytes=config.disk_reserve_bytes,
+                              policy=config.eviction)
         except OSError as exc:
             raise StartupError(
                 f"--cache-dir {config.cache_dir}: cannot keep the disk tier there ({exc.strerror or exc}); "
@@ -810,7 +814,7 @@ def open_store(
         note = _no_remote(config, "it needs the RAM tier (--host-cache-mib > 0)")
     elif config.remote is not None:
         remote = RemoteChunks(config.remote)
-    store = StateStore(ChunkStore(ram, disk), layout, config.chunk_tokens,
+    store = StateStore(ChunkStore(ram, disk, policy=config.eviction), layout, config.chunk_tokens,
                        max_pending_bytes=config.max_pending_bytes, remote=remote)
     return store, note
 

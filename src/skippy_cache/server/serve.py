@@ -34,7 +34,8 @@ def _store_lines(engine: Engine) -> list[str]:
         return [f"  store     off ({why})"]
     leaves = f"after {info.idle_tokens} idle tokens" if info.idle_tokens else "only when their cells are needed"
     lines = [
-        f"  store     chunks of {store.chunk_tokens} tokens; entries leave the pool {leaves}",
+        f"  store     chunks of {store.chunk_tokens} tokens, evicted {info.eviction.value}; entries leave the pool "
+        f"{leaves}",
         f"            RAM {info.host_cache_bytes // (1 << 20)} MiB",
     ]
     disk = store.chunks.disk

@@ -21,6 +21,7 @@ from pathlib import Path
 import jinja2
 
 from skippy_cache.config import StageKvCacheConfig, parse_cache_mode
+from skippy_cache.eviction import Policy
 from skippy_cache.placement import ALIGN
 from skippy_cache.runtime import EngineConfig, RemoteConfig, builtin_chat_templates, redact
 from skippy_cache.server.chat import compile_template
@@ -108,6 +109,7 @@ class ServerSettings:
     cache_dir: Path | None = None
     disk_cache_mib: int = 10240
     chunk_tokens: int = 64
+    eviction: Policy = Policy.LRFU
     #: Demote an entry once the pool decodes this many tokens without using it (0: only under pressure).
     idle_tokens: int = 256
     #: The dashboard shows the first words of its top prefixes (off: only their figures).
@@ -141,6 +143,7 @@ class ServerSettings:
             cache_dir=self.cache_dir,
             disk_cache_bytes=self.disk_cache_mib * MIB,
             chunk_tokens=self.chunk_tokens,
+            eviction=self.eviction,
             idle_tokens=self.idle_tokens,
             pin_percent=self.pin_percent,
             tenant_cache_percent=self.tenant_cache_percent if self.api_keys is not None else 100,
@@ -267,6 +270,14 @@ def _chunk_tokens(name: str, text: str) -> int:
     return value
 
 
+def _eviction(name: str, text: str) -> Policy:
+    try:
+        return Policy(text.strip().lower())
+    except ValueError:
+        raise SettingsError(f"{name}={text!r} is not an eviction policy (one of: "
+                            f"{', '.join(p.value for p in Policy)})") from None
+
+
 def _log_level(name: str, text: str) -> str:
     levels = ("critical", "error", "warning", "info", "debug", "trace")
     if text.strip().lower() not in levels:
@@ -387,6 +398,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("chunk_tokens", "--chunk-tokens", "SKIPPY_CHUNK_TOKENS", "chunk_tokens", _chunk_tokens,
            "tokens per stored chunk, a multiple of 64: prompts that share a prefix share its chunks "
            "(default 64)", "N"),
+    Option("eviction", "--eviction", "SKIPPY_EVICTION", "eviction", _eviction,
+           "which stored chunks the RAM and disk tiers let go first: lrfu (recency and frequency, prompts "
+           "cut from their end; sizing.md) or lru (default lrfu)", "POLICY"),
     Option("idle_tokens", "--idle-tokens", "SKIPPY_IDLE_TOKENS", "idle_tokens", _int(0),
            "move an entry from the pool to the store once the pool has decoded this many tokens without "
            "using it; 0: only when its cells are needed (default 256)", "N"),

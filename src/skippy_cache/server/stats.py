@@ -36,6 +36,7 @@ def cache_report(engine: Engine) -> dict:
             "cache_dir": str(info.cache_dir) if info.cache_dir is not None else None,
             "disk_cache_bytes": info.disk_cache_bytes if info.cache_dir is not None else 0,
             "chunk_tokens": info.chunk_tokens,
+            "eviction": info.eviction.value,
             "idle_tokens": info.idle_tokens,
             "remote_url": info.remote_url,
         },

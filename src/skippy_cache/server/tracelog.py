@@ -19,7 +19,8 @@ Privacy: the hash is BLAKE3 keyed with a per-deployment salt, kept in
 stay stable across restarts). Without the salt an id says nothing of the
 tokens: no text or token can be recovered from the log, and the same prompt
 logged by a deployment with another salt gets unrelated ids. Hand out the log,
-never the salt.
+never the salt. `skippy-cache replay PATH` sizes the cache's tiers for the
+traffic logged (docs/sizing.md).
 """
 
 from __future__ import annotations
@@ -35,9 +36,8 @@ from blake3 import blake3
 
 from skippy_cache.identity import token_bytes
 from skippy_cache.server.settings import ServerSettings, SettingsError
+from skippy_cache.sizing.trace import BLOCK_TOKENS
 
-#: Tokens per block, as in Mooncake's traces.
-BLOCK_TOKENS = 512
 SALT_BYTES = 32
 _PRIVATE_FILE = 0o600
 

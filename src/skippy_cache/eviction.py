@@ -1,0 +1,253 @@
+"""Which chunk a tier lets go first: the books of a budgeted tier, in eviction order.
+
+A tier (RAM or disk) keeps `key -> size` here and asks `evict()` for a victim
+whenever a new chunk does not fit. Two orders:
+
+- `LRU`: the least recently used chunk first, as every peer does.
+- `LRFU` (the default): recency and frequency over the prefix tree.
+  - A chunk is only worth its tokens while every chunk before it in its prompt
+    is held too (a lookup stops at the first miss), so only *leaves* (chunks
+    no held chunk continues) are evicted; LRU evicts a prompt's first chunks
+    first, leaving the rest held and useless.
+  - Among leaves, the lowest `last use + T (if used twice or more) - T (if a
+    tail)` goes first. `T` is the tier's own time scale: a running average of
+    how long evicted chunks had sat unused. So a chunk that came back once
+    (most never do) stays one turnover longer, and a tail (the rows that end a
+    prompt, found only by an exact repeat of it) one turnover less, whatever
+    the traffic rate. With nothing evicted yet, `T` is 0 and the order is LRU.
+  - Uses at one instant count once (a restore reads a chunk, then the entry
+    that reused it writes it again).
+  - Priorities are fixed when a chunk is used; a later `T` does not re-rank it.
+
+Why these rules and what they buy, replayed on public traces: docs/sizing.md.
+
+Invariants, checked by `check_invariants` and the property tests:
+- booked bytes equal the sum of the sizes held;
+- (LRFU) a chunk's parent, when set, is held and counts it among its children;
+  a chunk is a candidate for eviction exactly when it has no children, so the
+  parent links never form a cycle and `evict` always finds a victim.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+#: Weight of the newest eviction in `T`, the running average of evicted chunks' idle time.
+_T_WEIGHT = 0.01
+
+
+class Policy(str, enum.Enum):
+    LRU = "lru"
+    LRFU = "lrfu"
+
+
+class Books(Protocol):
+    """A tier's `key -> size`, in the order its policy evicts them."""
+
+    @property
+    def bytes(self) -> int: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    def size(self, key: str) -> int: ...
+
+    def keys(self) -> list[str]: ...
+
+    def add(self, key: str, size: int, *, parent: str | None = None, tail: bool = False) -> None:
+        """Book a new chunk as just used. `parent`: the chunk before it in its prompt; `tail`: it ends
+        a prompt off the block grid. Hints a policy may ignore; a key already held is only `touch`ed."""
+        ...
+
+    def touch(self, key: str) -> None:
+        """A use of a held chunk (a read, or another prompt producing it again)."""
+        ...
+
+    def remove(self, key: str) -> int:
+        """Forget a chunk (not an eviction: it was discarded or failed); its size, 0 if not held."""
+        ...
+
+    def evict(self) -> tuple[str, int]:
+        """Take the policy's victim off the books: its key and size. Raises KeyError when empty."""
+        ...
+
+    def check_invariants(self) -> None: ...
+
+
+def make_books(policy: Policy | str, clock: Callable[[], float] = time.monotonic) -> Books:
+    """Empty books for `policy`; `clock` gives the time in seconds (a replay passes its trace's)."""
+    policy = Policy(policy)
+    return LruBooks() if policy is Policy.LRU else LrfuBooks(clock)
+
+
+class LruBooks:
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._bytes = 0
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def size(self, key: str) -> int:
+        return self._sizes[key]
+
+    def keys(self) -> list[str]:
+        return list(self._sizes)
+
+    def add(self, key: str, size: int, *, parent: str | None = None, tail: bool = False) -> None:
+        if key in self._sizes:
+            self.touch(key)
+            return
+        self._sizes[key] = size
+        self._bytes += size
+
+    def touch(self, key: str) -> None:
+        if key in self._sizes:
+            self._sizes.move_to_end(key)
+
+    def remove(self, key: str) -> int:
+        size = self._sizes.pop(key, 0)
+        self._bytes -= size
+        return size
+
+    def evict(self) -> tuple[str, int]:
+        key, size = self._sizes.popitem(last=False)
+        self._bytes -= size
+        return key, size
+
+    def check_invariants(self) -> None:
+        total = sum(self._sizes.values())
+        assert total == self._bytes, f"booked bytes {self._bytes} != sizes held {total}"
+
+
+@dataclass(slots=True)
+class _Chunk:
+    size: int
+    tail: bool
+    parent: str | None
+    last: float
+    uses: int = 1
+    children: set[str] = field(default_factory=set)
+    #: The heap entry that stands for this chunk (stale entries are skipped); 0 while it has children.
+    stamp: int = 0
+
+
+class LrfuBooks:
+    """Leaves of the prefix tree only, lowest `last use + T (used twice) - T (a tail)` first (module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._chunks: dict[str, _Chunk] = {}
+        self._heap: list[tuple[float, int, str]] = []  # (priority, stamp, key) of leaves
+        self._stamps = itertools.count(1)
+        self._bytes = 0
+        #: Seconds evicted chunks had sat unused, on average (recent evictions weigh most).
+        self.time_scale = 0.0
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._chunks
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def size(self, key: str) -> int:
+        return self._chunks[key].size
+
+    def keys(self) -> list[str]:
+        return list(self._chunks)
+
+    def add(self, key: str, size: int, *, parent: str | None = None, tail: bool = False) -> None:
+        if key in self._chunks:
+            self.touch(key)
+            return
+        # A parent not held (or the chunk itself) links nothing: the chunk starts a tree of its own.
+        above = self._chunks.get(parent) if parent is not None and parent != key else None
+        self._chunks[key] = _Chunk(size, tail, parent if above is not None else None, self._clock())
+        self._bytes += size
+        if above is not None:
+            above.children.add(key)
+            above.stamp = 0  # no longer a leaf
+        self._rank(key)
+
+    def touch(self, key: str) -> None:
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            return
+        now = self._clock()
+        if now > chunk.last:
+            chunk.uses += 1  # uses at one instant (a restore's read, then the same entry's write) count once
+        chunk.last = now
+        if not chunk.children:
+            self._rank(key)
+
+    def remove(self, key: str) -> int:
+        chunk = self._chunks.pop(key, None)
+        if chunk is None:
+            return 0
+        self._bytes -= chunk.size
+        for child in chunk.children:
+            self._chunks[child].parent = None  # the rest of the prompt is still held: its own tree now
+        if chunk.parent is not None:
+            above = self._chunks[chunk.parent]
+            above.children.discard(key)
+            if not above.children:
+                self._rank(chunk.parent)
+        return chunk.size
+
+    def evict(self) -> tuple[str, int]:
+        while self._heap:
+            _, stamp, key = heapq.heappop(self._heap)
+            chunk = self._chunks.get(key)
+            if chunk is None or chunk.stamp != stamp:
+                continue  # stale: re-ranked since, gained a child, or removed
+            idle = max(self._clock() - chunk.last, 0.0)
+            self.time_scale += _T_WEIGHT * (idle - self.time_scale)
+            return key, self.remove(key)
+        raise KeyError("evict from empty books")
+
+    def _rank(self, key: str) -> None:
+        chunk = self._chunks[key]
+        t = self.time_scale
+        priority = chunk.last + (t if chunk.uses > 1 else 0.0) - (t if chunk.tail else 0.0)
+        chunk.stamp = next(self._stamps)
+        heapq.heappush(self._heap, (priority, chunk.stamp, key))
+        if len(self._heap) > 2 * len(self._chunks) + 64:
+            # Stale entries outnumber live ones: rebuild from the live ones.
+            self._heap = [entry for entry in self._heap if self._live(entry)]
+            heapq.heapify(self._heap)
+
+    def _live(self, entry: tuple[float, int, str]) -> bool:
+        chunk = self._chunks.get(entry[2])
+        return chunk is not None and chunk.stamp == entry[1]
+
+    def check_invariants(self) -> None:
+        total = sum(c.size for c in self._chunks.values())
+        assert total == self._bytes, f"booked bytes {self._bytes} != sizes held {total}"
+        live = {entry[2] for entry in self._heap if self._live(entry)}
+        for key, chunk in self._chunks.items():
+            if chunk.parent is not None:
+                assert key in self._chunks[chunk.parent].children, f"{key}'s parent does not list it"
+            for child in chunk.children:
+                assert self._chunks[child].parent == key, f"{key} lists {child}, whose parent is another"
+            assert (key in live) == (not chunk.children), f"{key}: a leaf is not ranked, or a parent is"
