@@ -15,6 +15,9 @@ whenever a new chunk does not fit. Two orders:
     (most never do) stays one turnover longer, and a tail (the rows that end a
     prompt, found only by an exact repeat of it) one turnover less, whatever
     the traffic rate. With nothing evicted yet, `T` is 0 and the order is LRU.
+  - A chunk evicted and then produced again keeps the uses it had: the books
+    remember the keys of their last evictions (`GHOSTS` times as many as they
+    hold), so a prefix that comes back after a long gap counts as used again.
   - Uses at one instant count once (a restore reads a chunk, then the entry
     that reused it writes it again).
   - Priorities are fixed when a chunk is used; a later `T` does not re-rank it.
@@ -41,6 +44,8 @@ from typing import Protocol
 
 #: Weight of the newest eviction in `T`, the running average of evicted chunks' idle time.
 _T_WEIGHT = 0.01
+#: LRFU remembers the uses of this many evicted keys per key it holds.
+GHOSTS = 4
 
 
 class Policy(str, enum.Enum):
@@ -150,7 +155,8 @@ class _Chunk:
 
 
 class LrfuBooks:
-    """Leaves of the prefix tree only, lowest `last use + T (used twice) - T (a tail)` first (module docstring)."""
+    """Leaves of the prefix tree only, lowest `last use + T (used twice) - T (a tail)` first, uses remembered
+    past eviction (module docstring)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -160,6 +166,8 @@ class LrfuBooks:
         self._bytes = 0
         #: Seconds evicted chunks had sat unused, on average (recent evictions weigh most).
         self.time_scale = 0.0
+        #: Evicted keys and the uses they had, oldest eviction first.
+        self._ghosts: OrderedDict[str, int] = OrderedDict()
 
     @property
     def bytes(self) -> int:
@@ -183,7 +191,8 @@ class LrfuBooks:
             return
         # A parent not held (or the chunk itself) links nothing: the chunk starts a tree of its own.
         above = self._chunks.get(parent) if parent is not None and parent != key else None
-        self._chunks[key] = _Chunk(size, tail, parent if above is not None else None, self._clock())
+        uses = self._ghosts.pop(key, 0) + 1
+        self._chunks[key] = _Chunk(size, tail, parent if above is not None else None, self._clock(), uses)
         self._bytes += size
         if above is not None:
             above.children.add(key)
@@ -223,7 +232,11 @@ class LrfuBooks:
                 continue  # stale: re-ranked since, gained a child, or removed
             idle = max(self._clock() - chunk.last, 0.0)
             self.time_scale += _T_WEIGHT * (idle - self.time_scale)
-            return key, self.remove(key)
+            size = self.remove(key)
+            self._ghosts[key] = chunk.uses
+            while len(self._ghosts) > GHOSTS * max(len(self._chunks), 1):
+                self._ghosts.popitem(last=False)
+            return key, size
         raise KeyError("evict from empty books")
 
     def _rank(self, key: str) -> None:

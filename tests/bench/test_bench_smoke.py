@@ -25,6 +25,7 @@ from skippy_cache.bench.results import headline_table
 from skippy_cache.bench.replicas import ReplicasError, configurations, find_redis_server
 from skippy_cache.bench.run import REPLICAS, planned_requests
 from skippy_cache.bench.targets import free_port
+from skippy_cache.sizing.trace import TraceRequest
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -317,3 +318,36 @@ def test_replica_figures_and_goals_from_measurements() -> None:
         "replicas chat: later p50, shared vs single": True,
         "replicas chat: later p50, alone vs shared": True,
     }
+
+
+@pytest.mark.model
+def test_the_trace_workload_compares_the_live_cached_share_with_the_replays(tmp_path: Path) -> None:
+    # A chat of three turns over a shared system block, a stranger, and an exact repeat.
+    ids = [[0, 1, 2], [0, 1, 2, 3, 4], [9, 10], [0, 1, 2, 3, 4, 5, 6], [9, 10]]
+    trace = [TraceRequest(1000.0 * i, 512 * len(h) - 100, 4, tuple(h)) for i, h in enumerate(ids)]
+    sizes = replace(TINY, trace_requests=len(trace), trace_max_tokens=2)
+    config = BenchConfig(specs=[TargetSpec("skippy-cache", "skippy-cache")], workloads=["trace"], sizes=sizes,
+                         ctx_size=2048, out_dir=tmp_path, results_dir=tmp_path / "results", timeout_s=60,
+                         trace=trace)
+    doc = bench(config, Console(quiet=True, width=150)).document
+    measured = [m for m in doc["measurements"] if m["workload"] == "trace"]
+    assert [m["ok"] for m in measured] == [True] * len(trace), [m["error"] for m in measured]
+    assert [m["cached_tokens"] > 0 for m in measured] == [False, True, False, True, True]
+    values = {f["name"]: f["values"]["skippy-cache"] for f in doc["figures"] if f["workload"] == "trace"}
+    assert values["cached share"] > 0 and values["cached share, as the replay predicts"] > 0
+    goal = next(g for g in doc["goals"] if g["name"].startswith("trace:"))
+    assert goal["met"], goal
+
+
+def test_the_trace_workload_needs_its_trace(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError, match="--workloads trace and --trace PATH go together"):
+        config_from_args(parser.parse_args(["--workloads", "trace"]))
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n')
+    config = config_from_args(parser.parse_args(["--workloads", "trace", "--trace", str(path)]))
+    assert config.workloads == ["trace"] and len(config.trace) == 1
+    path.write_text("nonsense\n")
+    with pytest.raises(ValueError, match=r"--trace: .*:1: not a trace request"):
+        config_from_args(parser.parse_args(["--workloads", "trace", "--trace", str(path)]))

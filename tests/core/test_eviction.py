@@ -70,6 +70,29 @@ def test_lrfu_lets_a_tail_go_before_a_chunk_a_longer_prompt_can_reuse() -> None:
     assert books.evict()[0] == "tail"
 
 
+def test_a_chunk_produced_again_after_its_eviction_keeps_its_uses() -> None:
+    clock = Clock()
+    books = LrfuBooks(clock)
+    books.add("a", 1)
+    clock.now = 1
+    books.touch("a")
+    assert books.evict() == ("a", 1)
+    books.add("a", 1)  # back: it counts as used again, and ranks so once the books have a time scale
+    assert books._chunks["a"].uses == 3
+    books.remove("a")
+    books.add("a", 1)  # removed, not evicted: nothing remembered
+    assert books._chunks["a"].uses == 1
+
+
+def test_the_books_remember_a_bounded_number_of_evictions() -> None:
+    books = LrfuBooks(Clock())
+    for i in range(100):
+        books.add(f"k{i}", 1)
+        if len(books) > 3:
+            books.evict()
+    assert len(books._ghosts) <= 4 * 3
+
+
 def test_one_instant_counts_as_one_use() -> None:
     clock = Clock()
     books = LrfuBooks(clock)

@@ -24,6 +24,7 @@ from skippy_cache.bench.curves import SLO, OpenRequest, open_goals, rate_points,
 from skippy_cache.bench.llamaserver import ENV as LLAMA_SERVER_ENV
 from skippy_cache.bench.llamaserver import find_llama_server
 from skippy_cache.bench.openloop import DEFAULT_RATES, DEFAULT_REQUESTS, OPEN_WORKLOADS, OpenLoop, open_loop
+from skippy_cache.bench.replay import scaled
 from skippy_cache.bench.replicas import (
     ALONE,
     CONFIGURATIONS,
@@ -43,6 +44,7 @@ from skippy_cache.bench.run import (
     FULL,
     QUICK,
     REPLICAS,
+    TRACE,
     WORKLOADS,
     Run,
     Sizes,
@@ -60,6 +62,8 @@ from skippy_cache.bench.targets import (
     running_targets,
 )
 from skippy_cache.bench.workloads import WORKLOAD_FUNCTIONS, calibrate
+from skippy_cache.sizing.trace import TraceError, TraceRequest
+from skippy_cache.sizing.trace import read_trace as read_trace_requests
 
 #: The server's own default: entries that do not fit the pool wait in the state store, so the
 #: workloads need no larger pool. Peers get the same n_ctx.
@@ -91,6 +95,8 @@ class BenchConfig:
     replicas_fast: bool = False
     #: Set: an open-loop run (openloop.py) of `workloads` instead of the closed-loop workloads.
     open_loop: OpenLoop | None = None
+    #: The trace workload's requests (`--trace` without `--arrivals`).
+    trace: list[TraceRequest] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(WORKLOADS),
         help=f"comma-separated subset of {','.join(ALL_WORKLOADS)} (default: {','.join(WORKLOADS)}; "
         f"{AGENT} needs --ctx-size {FULL.agent_context} or more ({QUICK.agent_context} with --quick); "
+        f"{TRACE} sends a --trace's first {FULL.trace_requests} requests ({QUICK.trace_requests} with --quick) "
+        "and compares skippy-cache's cached share with the replay's prediction; "
         f"{REPLICAS} starts its own servers and a redis-server, whatever the targets are)",
     )
     parser.add_argument(
@@ -179,7 +187,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst", type=int, default=DEFAULT_BURST, metavar="N",
                         help=f"--arrivals burst: requests per burst (default {DEFAULT_BURST})")
     parser.add_argument("--trace", type=Path, default=None, metavar="PATH",
-                        help="--arrivals trace: Mooncake-format JSONL (timestamp in ms) or seconds, one per line")
+                        help="Mooncake-format JSONL: the trace workload's requests; with --arrivals trace, the "
+                        "arrival times (timestamp in ms; or seconds, one per line)")
     parser.add_argument("--slo-ttft-ms", type=float, default=SLO().ttft_ms, metavar="MS",
                         help=f"open loop: a request is good within this TTFT (default {SLO().ttft_ms:g})")
     parser.add_argument("--slo-tpot-ms", type=float, default=SLO().tpot_ms, metavar="MS",
@@ -243,8 +252,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _open_loop(args: argparse.Namespace, workloads: list[str]) -> OpenLoop | None:
     if args.arrivals is None:
-        if args.rates is not None or args.rate is not None or args.trace is not None:
-            raise ValueError("--rates, --rate and --trace need --arrivals")
+        if args.rates is not None or args.rate is not None:
+            raise ValueError("--rates and --rate need --arrivals")
+        if (args.trace is not None) != (TRACE in workloads):
+            raise ValueError("--workloads trace and --trace PATH go together (or --arrivals trace --trace PATH)")
         return None
     if set(workloads) - set(OPEN_WORKLOADS):
         raise ValueError(f"--arrivals: the open loop runs {', '.join(OPEN_WORKLOADS)} only")
@@ -313,7 +324,23 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         replicas=args.replicas,
         replicas_fast=args.replicas_fast,
         open_loop=_open_loop(args, workloads),
+        trace=_trace_requests(args, workloads, sizes),
     )
+
+
+def _trace_requests(args: argparse.Namespace, workloads: list[str], sizes: Sizes) -> list[TraceRequest]:
+    """The trace's first requests that fit the context once scaled (longer ones are left out)."""
+    if TRACE not in workloads or args.arrivals is not None:
+        return []
+    try:
+        requests = read_trace_requests(args.trace)
+    except TraceError as exc:
+        raise ValueError(f"--trace: {exc}") from None
+    fits = [r for r in requests
+            if scaled(r, sizes.trace_block_tokens).input_length + sizes.trace_max_tokens <= args.ctx_size]
+    if not fits:
+        raise ValueError(f"--trace {args.trace}: no request fits --ctx-size {args.ctx_size} once scaled")
+    return fits[: sizes.trace_requests]
 
 
 def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
@@ -359,7 +386,8 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
     assert recorded is not None, "config_from_args leaves at least one workload"
     labels = [t.label for t in targets]
     reference = config.reference or (SKIPPY if SKIPPY in labels else labels[0] if labels else None)
-    figs = figures(recorded.measurements, recorded.spans, labels, config.sizes, on_targets)
+    figs = figures(recorded.measurements, recorded.spans, labels, config.sizes, on_targets,
+                   predicted=run.predicted if run else None)
     off = SKIPPY_OFF if SKIPPY_OFF in labels else None
     peer_labels = [t.label for t in targets if t.kind in PEER_KINDS or t.kind == "url"]
     checks = goals(figs, config.sizes, reference, off, peer_labels) if reference else []
@@ -491,7 +519,8 @@ def _progress(console: Console, total: int) -> Iterator[Callable[[str, str, Repl
 
 async def _drive(config: BenchConfig, targets: list[Target], workloads: list[str], console: Console) -> Run:
     async with BenchClient(config.timeout_s, max_connections=4 * max(1, config.sizes.concurrency)) as client:
-        run = Run(client=client, targets=targets, sizes=config.sizes, seed=config.seed)
+        run = Run(client=client, targets=targets, sizes=config.sizes, seed=config.seed, trace=config.trace,
+                  kv_bytes_per_token=_kv_bytes(config) if TRACE in workloads else 1)
         calibration = await calibrate(run)
         console.print(
             f"calibration: {calibration['tokens']} tokens for {calibration['words']} words "
@@ -505,6 +534,12 @@ async def _drive(config: BenchConfig, targets: list[Target], workloads: list[str
             for workload in workloads:
                 await WORKLOAD_FUNCTIONS[workload](run)
         return run
+
+
+def _kv_bytes(config: BenchConfig) -> int:
+    from skippy_cache.sizing.cli import kv_bytes_per_token
+
+    return kv_bytes_per_token(config.model)
 
 
 def _open_bench(config: BenchConfig, plan: OpenLoop, specs: list[TargetSpec], model: Path | None, log_dir: Path,

@@ -14,6 +14,7 @@ from typing import Any
 
 from skippy_cache.bench.client import BenchClient, Reply
 from skippy_cache.bench.targets import Target
+from skippy_cache.sizing.trace import TraceRequest
 
 #: The default workloads, run on the targets, in this order.
 WORKLOADS = ("warm", "tenants", "chat", "zero")
@@ -23,7 +24,9 @@ AGENT = "agent"
 #: Starts its own servers (replicas.py) and is run only when asked for: it needs redis-server
 #: and restarts servers for each of its configurations.
 REPLICAS = "replicas"
-ALL_WORKLOADS = (*WORKLOADS, AGENT, REPLICAS)
+#: Run only when asked for, with `--trace PATH`: a Mooncake-format trace's requests, in order.
+TRACE = "trace"
+ALL_WORKLOADS = (*WORKLOADS, AGENT, TRACE, REPLICAS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,11 @@ class Sizes:
     agent_result_tokens: tuple[int, int] = (100, 400)
     #: Room for one call and its arguments.
     agent_max_tokens: int = 64
+    #: The trace workload: its first requests sent, and the tokens each 512-token block of the trace
+    #: becomes (a multiple of 64: the server's chunk, so the replay names the same chunks).
+    trace_requests: int = 120
+    trace_block_tokens: int = 64
+    trace_max_tokens: int = 8
 
     @property
     def agent_context(self) -> int:
@@ -85,6 +93,8 @@ QUICK = Sizes(
     agent_system_tokens=600,
     agent_result_tokens=(30, 80),
     agent_max_tokens=48,
+    trace_requests=12,
+    trace_max_tokens=2,
 )
 
 
@@ -159,6 +169,12 @@ class Run:
     on_request: Callable[[str, str, Reply], None] = lambda *_: None
     measurements: list[Measurement] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
+    #: The trace workload's requests (`--trace`), and per skippy-cache target the cached share (%)
+    #: `skippy-cache replay` predicts for them under that server's own budgets.
+    trace: list[TraceRequest] = field(default_factory=list)
+    predicted: dict[str, float] = field(default_factory=dict)
+    #: The model's KV bytes per token, for the replay's budgets (set when the trace workload runs).
+    kv_bytes_per_token: int = 1
 
     def targets_for(self, workload: str) -> list[Target]:
         """The cache-off twin exists only to measure the cache's overhead: the zero workload."""
@@ -222,6 +238,8 @@ def planned_requests(workload: str, sizes: Sizes, n_targets: int) -> int:
         return sizes.zero_prompts * sizes.zero_blocks * n_targets
     if workload == AGENT:  # n_targets: the (target, API) pairs
         return sizes.agents * sizes.agent_steps * n_targets
+    if workload == TRACE:
+        return sizes.trace_requests * n_targets
     if workload == REPLICAS:  # n_targets: its configurations, each sent the tenants and chat traffic
         return (planned_requests("tenants", sizes, 1) + planned_requests("chat", sizes, 1)) * n_targets
     raise ValueError(f"unknown workload {workload!r} (known: {', '.join(ALL_WORKLOADS)})")

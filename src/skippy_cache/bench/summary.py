@@ -9,11 +9,11 @@ None where nothing was measured (every request failed, or the server reports no 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from skippy_cache.bench.agent import APIS as AGENT_APIS
-from skippy_cache.bench.run import AGENT, REPLICAS, Measurement, Sizes, Span
+from skippy_cache.bench.run import AGENT, REPLICAS, TRACE, Measurement, Sizes, Span
 from skippy_cache.bench.targets import LLAMA_SERVER
 
 
@@ -118,6 +118,14 @@ def _rows(workload: str, ms: list[Measurement], spans: list[Span], sizes: Sizes)
         rows.append(("all turns: cached share", "%", "higher", _cached_share(ms)))
     elif workload == AGENT:
         rows += _agent_rows(ms, sizes)
+    elif workload == TRACE:
+        ttfts = _ttfts(ms)
+        rows += [
+            ("prompt tokens", "tok", "", _mean_prompt(ms)),
+            ("TTFT p50", "ms", "lower", percentile(ttfts, 50)),
+            ("TTFT p90", "ms", "lower", percentile(ttfts, 90)),
+            ("cached share", "%", "higher", _cached_share(ms)),
+        ]
     elif workload == "zero":
         rows += [
             ("TTFT p50", "ms", "lower", percentile(_ttfts(ms), 50)),
@@ -160,8 +168,11 @@ def figures(
     labels: list[str],
     sizes: Sizes,
     workloads: Sequence[str],
+    *,
+    predicted: Mapping[str, float] | None = None,
 ) -> list[Figure]:
-    """Every workload's figures; a target that took no part in a workload is left out of its rows."""
+    """Every workload's figures; a target that took no part in a workload is left out of its rows.
+    `predicted`: the trace workload's cached share as `skippy-cache replay` predicts it, per target."""
     out: list[Figure] = []
     for workload in workloads:
         per_target = {
@@ -174,6 +185,8 @@ def figures(
         first = next(iter(rows.values()))
         for i, (name, unit, better, _) in enumerate(first):
             out.append(Figure(workload, name, unit, better, {label: r[i][3] for label, r in rows.items()}))
+        if workload == TRACE and predicted:
+            out.append(Figure(workload, "cached share, as the replay predicts", "%", "", dict(predicted)))
     return out
 
 
@@ -265,6 +278,11 @@ def goals(figs: list[Figure], sizes: Sizes, reference: str, off: str | None, pee
         loss = overheads(figs, reference, off)["throughput_loss_pct"]
         if loss is not None:
             out.append(Goal("zero: throughput lost to the cache", "<= 3%", f"{loss:+.1f}%", loss <= 3))
+    live = value(TRACE, "cached share", reference)
+    predicted = value(TRACE, "cached share, as the replay predicts", reference)
+    if live is not None and predicted is not None:
+        out.append(Goal("trace: live cached share vs the replay's", "within 5 points",
+                        f"{live:.1f}% vs {predicted:.1f}%", abs(live - predicted) <= 5))
     if LLAMA_SERVER in peers:
         out += _against_llama_server(value, sizes, reference)
     return out

@@ -17,7 +17,8 @@ from collections.abc import Awaitable, Iterable
 
 from skippy_cache.bench.agent import agent
 from skippy_cache.bench.client import Reply
-from skippy_cache.bench.run import AGENT, Replicas, Run
+from skippy_cache.bench.replay import trace
+from skippy_cache.bench.run import AGENT, TRACE, Replicas, Run
 from skippy_cache.bench.targets import Target
 from skippy_cache.bench.text import WORDS, passage, words_for
 
@@ -218,4 +219,4 @@ async def zero(run: Run) -> None:
             run.span("zero", target, f"block {block + 1}", started, len(prompts))
 
 
-WORKLOAD_FUNCTIONS = {"warm": warm, "tenants": tenants, "chat": chat, "zero": zero, AGENT: agent}
+WORKLOAD_FUNCTIONS = {"warm": warm, "tenants": tenants, "chat": chat, "zero": zero, AGENT: agent, TRACE: trace}
