@@ -63,3 +63,20 @@ def test_without_tenants_there_is_no_share(store: StateStore) -> None:
     pages = [put(store, None, n) for n in range(4)]
     assert store.drain(30)
     assert all(page in store for page in pages)
+
+
+def test_only_a_whole_prompts_tail_is_marked_for_the_eviction_policy() -> None:
+    # A whole prompt's tail (with its logits) serves only an exact repeat: LRFU lets it go sooner.
+    # An entry without logits (one that ends a reply) names its tail like a chunk, and the next
+    # turn of its chat finds it: not a tail for the policy.
+    store = StateStore(ChunkStore(1 << 20, None, policy="lrfu"), "opaque-test-state", 64, max_pending_bytes=1 << 20)
+    try:
+        for n, logits in ((1, b"\0" * 8), (2, None)):
+            tokens = [n] * 8
+            page_id = prefix_identity(SPACE, tokens).page_id
+            assert store.put(page_id, SPACE, tokens, b"x" * PAGE_BYTES, logits, durable=False)
+        assert store.drain(30)
+        books = store.chunks._ram_books._chunks  # type: ignore[attr-defined]
+        assert sorted(chunk.tail for chunk in books.values()) == [False, True]
+    finally:
+        store.close()

@@ -722,7 +722,7 @@ class StateStore:
                         disk.unwrite(key)
                     return
                 self.chunks.add_written(key, len(rows), value, on_disk=on_disk, parent=names[i - 1] if i else None,
-                                        tail=key == page.tail_key)
+                                        tail=_exact_repeat_only(key, page))
             if page.local:
                 continue
             if urgent:
@@ -756,7 +756,13 @@ class StateStore:
                     disk.unwrite(key)  # cleared or discarded meanwhile, as in `_write`
                     return
                 self.chunks.book_on_disk(key, len(value), parent=names[i - 1] if i else None,
-                                         tail=key == page.tail_key)
+                                         tail=_exact_repeat_only(key, page))
+
+
+def _exact_repeat_only(key: str, page: Page) -> bool:
+    """Whether `key` is a whole prompt's tail, which only an exact repeat finds (the eviction policy lets
+    it go sooner). The tail of an entry without logits is named like a chunk: a longer prompt finds it."""
+    return key == page.tail_key and page.logits is not None
 
 
 def _complete(futures: list[Future[None]]) -> None:

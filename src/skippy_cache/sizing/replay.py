@@ -319,32 +319,35 @@ class Replica:
 
     def _record(self, prompt: Prompt, figures: ReplayFigures) -> None:
         """Keep the request's state: in the pool when there is a resident tier (its chunks go to the store
-        when it leaves), else straight into the store; and to the shared tier at once."""
+        when it leaves; a prompt over the pool's budget is kept nowhere, as a server does), else straight
+        into the store; and to the shared tier at once."""
         if self.config.capacities.resident_tokens > 0:
-            self._record_resident(prompt)
+            if not self._record_resident(prompt):
+                return
         else:
             self._write(prompt, self.chunks)
         if self.shared is not None:
             figures.remote_written_bytes += self._write(prompt, self.shared)
 
-    def _record_resident(self, prompt: Prompt) -> None:
+    def _record_resident(self, prompt: Prompt) -> bool:
+        """Record the prompt in the pool; False when it is kept nowhere (shorter than `min_tokens`, or
+        longer than the pool's budget)."""
         resident = self.tiers.resident
         n = len(prompt.tokens)
         nbytes = n * self.config.kv_bytes_per_token
         if n < resident.config.min_tokens:
-            return
+            return False
         allocation = resident.allocate_for_record(prompt.page_id, n, nbytes, self._demote)
         for page in self._left:
             self.tiers.forget_if_gone(page)
         self._left.clear()
         if not allocation.should_save:
-            if allocation.reason == "uncacheable":
-                self._write(prompt, self.chunks)
-            return
+            return allocation.reason == "exists"
         resident.commit_record(prompt.page_id, allocation.seq_id, n, nbytes)
         self.tiers.file(prompt.page_id, prompt.space, prompt.tokens)
         self.tiers.logits[prompt.page_id] = _NO_LOGITS
         self._resident_prompts[prompt.page_id] = prompt
+        return True
 
     def _demote(self, eviction: ResidentEviction) -> None:
         prompt = self._resident_prompts.pop(eviction.page_id)
