@@ -306,13 +306,12 @@ class Replica:
         for key in [*prompt.chunk_keys[local:], prompt.tail_key]:
             if key == prompt.tail_key and key in self.chunks:
                 break  # held here already
-            if self.shared.get(key) is None:
+            value = self.shared.ram_value(key) if self.shared.get(key) is not None else None
+            if value is None:
                 break  # a missing chunk ends the run; the tail serves only after every chunk before it
-            size = self.shared.size_of(key)
-            if not self.chunks.adopt(key, Placeholder(size), parent=parent,  # type: ignore[arg-type]
-                                     tail=key == prompt.tail_key):
+            if not self.chunks.adopt(key, value, parent=parent, tail=key == prompt.tail_key):
                 break
-            figures.remote_read_bytes += size
+            figures.remote_read_bytes += len(value)
             fetched.add(key)
             parent = key
         return fetched
@@ -415,14 +414,6 @@ class Router:
             replica.busy_until = max(replica.busy_until, request.seconds) + work
 
 
-class SharedStore(ReplayChunks):
-    """The shared tier: RAM only, LRU, as a Redis or Valkey server with `allkeys-lru` evicts."""
-
-    def size_of(self, key: str) -> int:
-        value = self._ram.get(key)
-        return len(value) if value is not None else 0
-
-
 def replay(requests: Sequence[TraceRequest], config: ReplayConfig, *, count_from_ms: float = 0.0) -> ReplayFigures:
     """Every request through the replicas' tiers, in trace order; deterministic. Requests before
     `count_from_ms` warm the tiers and count in no figure."""
@@ -432,7 +423,8 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, *, count_from
         return now[0]
 
     caps = config.capacities
-    shared = SharedStore(caps.remote_bytes, None, policy=Policy.LRU, clock=clock) if caps.remote_bytes > 0 else None
+    # The shared tier: RAM only, LRU, as a Redis or Valkey server with `allkeys-lru` evicts.
+    shared = ReplayChunks(caps.remote_bytes, None, policy=Policy.LRU, clock=clock) if caps.remote_bytes > 0 else None
     replicas = [Replica(config, clock, shared) for _ in range(config.replicas)]
     router = Router(config.routing, replicas)
     prompts = Prompts(config.block_tokens)
