@@ -101,6 +101,38 @@ def test_a_lane_with_no_room_past_its_cells_moves_down_the_grid(engine):
     engine.pool.cells.check_invariants()
 
 
+def test_a_lane_scattered_between_the_free_runs_moves_down_so_another_lane_s_blocks_land_on_the_grid(engine):
+    engine.pool.free(-1)
+    filler = engine.placement.pad_seq
+    n_cells = engine.pool.cells.n_cells
+    # Lane 0's rows sit in three places (as a decoding lane's rows land in the gaps between
+    # entries), so no free run holds lane 1's 192 cells and its next block; lane 1 sits at the top.
+    _decode(engine, [(filler, 0, 200)])
+    _decode(engine, [(0, 0, 10)])
+    _decode(engine, [(filler, 200, 440)])
+    _decode(engine, [(0, 10, 20)])
+    _decode(engine, [(filler, 440, 740)])
+    _decode(engine, [(0, 20, 30)])
+    _decode(engine, [(filler, 740, n_cells - 222)])
+    _decode(engine, [(1, 0, 192)])
+    assert _cells(engine, 1) == list(range(n_cells - 192, n_cells))
+    engine.pool.free(filler)
+    before = engine.placement.stats.relocations
+    engine.placement.before_decode([Planned(SimpleNamespace(seq_id=1), 192, 256, -1)], 64, lambda: False,
+                                   {0: 0, 1: 0})
+    _decode(engine, [(1, 192, 256)])
+    # Lane 0 went to the first cells, lane 1 to the next aligned run, its new block right after it.
+    # Lane 0 went down in one run, and lane 1 with it onto an aligned run, its new block right after it.
+    lane0, lane1 = _cells(engine, 0), _cells(engine, 1)
+    assert lane0 == list(range(lane0[0], lane0[0] + 30))
+    assert lane1[0] % 64 == 0 and lane1 == list(range(lane1[0], lane1[0] + 256))
+    assert engine.placement.stats.relocations - before >= 2
+    assert engine.placement.stats.unaligned_steps == 0
+    assert engine.pool.mismatches([0, 1, filler]) == []
+    engine.pool.cells.check_invariants()
+    engine.placement.clear_pads()
+
+
 def test_two_lanes_rows_land_in_their_own_rooms_past_pads_punched_for_them(engine):
     engine.pool.free(-1)
     pad_seq = engine.placement.pad_seq

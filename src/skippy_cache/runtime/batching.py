@@ -97,8 +97,8 @@ class BatchBuilder:
         if decoding and not self.deterministic:
             # Every decoding lane's next token waits for this step: a step of `fill_tokens` rows
             # costs a little more per row than a full one and holds them half as long. (Not in
-            # deterministic mode: there, tiled chunks this small beside a decoding lane changed a
-            # prompt's floats against its cold run, for a reason not yet pinned down.)
+            # deterministic mode: there it kept every row exact, but the open loop measured it no
+            # faster, TTFT and TPOT alike, and it places twice as many chunks.)
             rows = min(rows, max(self.fill_tokens, ALIGN))
         if prefilling and not (decoding and (self._last_step_prefilled or last_token)):
             # A prefill step holds no decode row: with 64 rows or more a decode row

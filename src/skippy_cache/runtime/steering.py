@@ -181,7 +181,29 @@ class AlignedPlacement:
         # (each step lands past their cells), and a long-lived lane reaches the
         # top. Move the step's lanes down, highest first, until the step fits.
         cells = self.pool.cells
-        for seq in sorted({p.lane.seq_id for p in planned}, key=cells.last_cell, reverse=True):
+        stepping = sorted({p.lane.seq_id for p in planned}, key=cells.last_cell, reverse=True)
+        if self._move_down(stepping, n_tokens, evict_one, planned, rooms, evict_where):
+            return True
+        # Another lane's rows, landed in the gaps between entries, can split every free run the
+        # step's lane needs even once the entries are gone: move those lanes down first, the
+        # smallest first (a few cells to copy), then the step's lanes again.
+        others = sorted((s for s in rooms if s not in stepping and cells.seq_len(s)), key=cells.seq_len)
+        for seq in others:
+            self.clear_pads()
+            self._relocate(seq, max(rooms[seq], 0), evict_one)
+        return bool(others) and self._move_down(stepping, n_tokens, evict_one, planned, rooms, evict_where)
+
+    def _move_down(
+        self,
+        seqs: list[int],
+        n_tokens: int,
+        evict_one: Callable[[], bool],
+        planned: list[Planned],
+        rooms: Mapping[int, int],
+        evict_where: EvictWhere | None,
+    ) -> bool:
+        """Move `seqs` down the pool one at a time until the step fits; False if it does not."""
+        for seq in seqs:
             self.clear_pads()
             if not self._relocate(seq, n_tokens, evict_one):
                 return False
