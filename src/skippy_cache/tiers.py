@@ -207,8 +207,9 @@ class CacheCounters:
     budget_evictions: int = 0
     proactive_evictions: int = 0
     idle_evictions: int = 0
-    #: Evicted entries whose state went to the store, and those the store's writer
-    #: was too far behind to take (dropped rather than block the engine).
+    #: Entries whose state went to the store (evicted ones, and records too large for the pool,
+    #: taken from their lane), and those the store's writer was too far behind to take (dropped
+    #: rather than block the engine).
     demotions: int = 0
     store_drops: int = 0
     #: New lanes that shared the cells of a prefix another running lane was

@@ -325,6 +325,35 @@ def test_deterministic_mode_restores_from_the_store_bit_for_bit(
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
+def test_a_prompt_longer_than_the_pool_s_budget_goes_to_the_store_from_its_lane(
+    deterministic: bool, cold_exact: Engine
+) -> None:
+    # A prompt over the pool's byte budget (here 10 MiB: about 450 tokens) never becomes an entry,
+    # and without the store its next turn would prefill it all again.
+    engine = Engine(config(None, deterministic=deterministic, cache=StageKvCacheConfig(max_bytes=10 << 20)))
+    try:
+        prompt = make_tokens(engine, 700, seed=95)
+        first = run(engine, prompt, max_tokens=8)
+        settle(engine)
+        assert engine.stats().cache.resident.uncacheable >= 1
+        assert engine.cache.tiers.resident.entries() == []
+        again = run(engine, prompt, max_tokens=8)
+        assert again.stats.cache_source == "ram"
+        assert again.stats.cached_tokens == len(prompt)
+        assert again.tokens == first.tokens
+        turn = prompt + list(first.tokens) + make_tokens(engine, 40, seed=96)
+        on = run(engine, turn, max_tokens=8)
+        assert on.stats.cache_source == "ram"
+        assert on.stats.cached_tokens >= len(prompt) // CHUNK * CHUNK
+        if deterministic:
+            assert_bit_exact(on, run(cold_exact, turn, max_tokens=8), "the next turn")
+            assert engine.stats().placement.unaligned_steps == 0
+        assert engine.invariant_failures == []
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
 def test_lanes_that_come_back_to_a_demoted_prefix_share_one_restore(deterministic: bool, cold_exact: Engine) -> None:
     # Four tenants' requests with one system prompt arrive together after its entry left the
     # pool: the first lane restores it, and what came back is resident again, so the other

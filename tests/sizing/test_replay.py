@@ -126,10 +126,11 @@ def test_the_resident_tier_serves_from_the_pool_first() -> None:
     assert figures.hit_tokens.get("ram", 0) == 0
 
 
-def test_a_prompt_longer_than_the_pools_budget_is_kept_nowhere_as_a_server_does() -> None:
+def test_a_prompt_longer_than_the_pools_budget_goes_to_the_store_as_a_server_does() -> None:
     trace = [request(i, [1, 2, 3, 4]) for i in range(3)]
-    assert replay(trace, config(resident_tokens=3 * B)).total_hit_tokens == 0
-    assert replay(trace, config(resident_tokens=4 * B)).total_hit_tokens == 2 * 4 * B
+    assert replay(trace, config(resident_tokens=3 * B)).hit_tokens == {"ram": 2 * 4 * B}
+    assert replay(trace, config(resident_tokens=4 * B)).hit_tokens == {"resident": 2 * 4 * B}
+    assert replay(trace, config(0, resident_tokens=3 * B)).total_hit_tokens == 0  # no store: kept nowhere
 
 
 def test_requests_of_two_tenants_never_share() -> None:

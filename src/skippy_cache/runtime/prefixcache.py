@@ -475,13 +475,15 @@ class PrefixCache:
             return False
         self.counters.budget_evictions += len(allocation.evictions)
         self._forget(allocation.evictions)
+        entry_tokens = (tokens if tokens is not None else lane.prompt)[:n]
         if not allocation.should_save:
+            if allocation.reason == "uncacheable":
+                self._store_from_lane(lane, prefix, entry_tokens, logits)
             return False
         self.pool.copy(lane.seq_id, allocation.seq_id, n)
         if logits is not None:
             self.tiers.logits[prefix.page_id] = logits
         resident.commit_record(prefix.page_id, allocation.seq_id, n, nbytes)
-        entry_tokens = (tokens if tokens is not None else lane.prompt)[:n]
         self.tiers.file(prefix.page_id, lane.space, entry_tokens, lane.kernels if self.deterministic else None)
         self._entries[prefix.page_id] = (lane.space, entry_tokens)
         self._owners[prefix.page_id] = lane.request.tenant
@@ -494,6 +496,28 @@ class PrefixCache:
         if self.shares:
             self._to_persist[prefix.page_id] = None
         return True
+
+    def _store_from_lane(
+        self, lane: Lane, prefix: PrefixIdentity, tokens: list[int], logits: np.ndarray | None
+    ) -> None:
+        """A record larger than the pool's budget never becomes an entry. The store, whose budgets
+        are larger, takes it straight from the lane as it would an evicted entry: without it a
+        long conversation's next turn prefilled the whole conversation again."""
+        store, keep = self.store, lane.request.keep
+        if (store is None or keep is Keep.NONE or prefix.page_id in store
+                or self.pool.cells.seq_len(lane.seq_id) != prefix.token_count):
+            return  # a prefix shorter than the lane (an off-grid end) would need a partial export
+        queued = store.put(prefix.page_id, lane.space, tokens, self.pool.export(lane.seq_id),
+                           logits.tobytes() if logits is not None else None, durable=False,
+                           kernels=lane.kernels if self.deterministic else None, owner=lane.request.tenant,
+                           local=keep is Keep.RAM)
+        if queued:
+            self.tiers.file(prefix.page_id, lane.space, tokens, lane.kernels if self.deterministic else None)
+            self._book_recorded(lane.space, lane.request, tokens)
+            self.counters.demotions += 1
+        else:
+            self.counters.store_drops += 1
+        self._forget_store_pages(store.prune())
 
     # -- pins -----------------------------------------------------------------------
 

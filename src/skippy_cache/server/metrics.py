@@ -206,7 +206,9 @@ class EngineCollector(Collector):
                 n.restore_shared_tokens,
             ),
             "skippy_cache_restore_seconds": ("Time spent restoring from the store", n.restore_ms / 1000),
-            "skippy_cache_demotions": ("Evicted entries whose state went to the store", n.demotions),
+            "skippy_cache_demotions": (
+                "Entries whose state went to the store (evicted, or too large for the pool)", n.demotions
+            ),
             "skippy_cache_store_drops": (
                 "Evicted entries the store's writer was too far behind to take", n.store_drops
             ),
