@@ -127,6 +127,30 @@ def test_the_wait_limit_looks_at_the_oldest_request_of_the_same_tenant() -> None
         queue(alone, None)
 
 
+def test_a_request_that_would_wait_past_the_limit_is_refused_before_the_queue_s_head_has() -> None:
+    now = [0.0]
+    scheduler = Scheduler(lanes=2, n_ctx=10_000, max_queue=64, max_wait_s=12.0, clock=lambda: now[0])
+    assert scheduler.expected_wait(5) == 0.0  # nothing measured yet: no estimate
+    for _ in range(2):
+        queue(scheduler, None)
+        admit_and_run(scheduler)
+    now[0] = 10.0
+    for lane in list(scheduler.lanes):
+        scheduler.release(lane)
+    assert scheduler.held_s == 10.0
+    # Both lanes busy again; one frees every 10 / 2 s.
+    for _ in range(2):
+        queue(scheduler, None, t_submit=now[0])
+        admit_and_run(scheduler)
+    queue(scheduler, None, t_submit=now[0])  # nothing waits before it: it takes the next free lane
+    queue(scheduler, None, t_submit=now[0])  # two lanes must free first: about 10 s
+    with pytest.raises(QueueFullError, match="would wait about 15 s") as refused:
+        queue(scheduler, None, t_submit=now[0])
+    assert refused.value.retry_after_s == 3
+    # Another tenant with nothing waiting goes at the next free lane (turns), whatever waits.
+    queue(scheduler, "b", t_submit=now[0])
+
+
 TENANTS = ["a", "b", "c", None]
 
 

@@ -66,7 +66,8 @@ class EngineConfig:
     #: the last float bits with batching and pool occupancy.
     deterministic: bool = True
     max_queue: int = 64
-    #: New requests are refused while the oldest waiting one has waited longer than this (0: never).
+    #: New requests are refused when they would wait for a lane longer than this, or the oldest
+    #: waiting one has (0: never).
     max_queue_wait_s: float = 15.0
     #: The state store's RAM tier: host RAM for exact states that left the
     #: pool, as chunks (None: the smaller of 8 GiB and a quarter of the

@@ -16,14 +16,19 @@ starved of cells mid-generation, because everything else in the pool is
 evictable cache.
 
 A new request is refused (`QueueFullError`, HTTP 503 with `Retry-After`) when
-`max_queue` requests wait, and when the oldest waiting request of its tenant
-has waited longer than `max_wait_s`: past saturation requests arrive faster than
-lanes free up, and queueing them all would only make every time to first token
-grow without bound; refusing early tells the client to come back (or go to
-another replica) while the requests already accepted still get answered in
-time. Its own tenant's, not the oldest of all: admission takes turns, so a
-tenant with nothing waiting is served at the next free lane however long a
-flooding tenant's requests have waited (without tenants the two are one).
+`max_queue` requests wait, and when its tenant has requests waiting and either
+the oldest of them has waited longer than `max_wait_s` or the new one would:
+past saturation requests arrive faster than lanes free up, and queueing them all
+would only make every time to first token grow without bound; refusing early
+tells the client to come back (or go to another replica) while the requests
+already accepted still get answered in time. The wait ahead is estimated from
+how long requests have held their lanes lately (Little's law: with L lanes held
+S seconds each, one frees every S / L seconds). The oldest request's wait alone
+let the queue grow until its head had waited the limit, and every request
+queued behind it then waited that long again. Its own tenant's requests, not
+the queue's: admission takes turns, so a tenant with nothing waiting is served
+at the next free lane however long a flooding tenant's requests wait (without
+tenants the two are one).
 
 The queue is shared with submitting threads: the engine holds its lock around
 `enqueue`, `admit` and `take_cancelled`. Lanes belong to the engine thread.
@@ -34,6 +39,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from skippy_cache.runtime.lane import Lane
@@ -57,16 +63,26 @@ class Admission:
     reserve: int
 
 
+#: Weight of the newest request in the running average of how long a request holds its lane.
+HELD_ALPHA = 0.2
+
+
 class Scheduler:
-    def __init__(self, lanes: int, n_ctx: int, max_queue: int, max_wait_s: float = 0.0) -> None:
+    def __init__(self, lanes: int, n_ctx: int, max_queue: int, max_wait_s: float = 0.0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.n_ctx = n_ctx
         self.max_queue = max_queue
-        #: 0: no limit on how long the oldest waiting request may have waited.
+        #: 0: no limit on how long a request may wait for a lane.
         self.max_wait_s = max_wait_s
         self.waiting: deque[Waiting] = deque()
         self.lanes: list[Lane] = []
         #: Lane sequence ids 0..lanes-1, handed out from 0 up; a freed id is reused first.
         self._free_ids = list(range(lanes - 1, -1, -1))
+        self._n_lanes = lanes
+        self._clock = clock
+        self._started: dict[int, float] = {}
+        #: Running average of the seconds a request held its lane (None until one ended).
+        self.held_s: float | None = None
 
     @property
     def reserved_cells(self) -> int:
@@ -90,11 +106,23 @@ class Scheduler:
         oldest = next((w for w in self.waiting if w.handle.request.tenant == tenant), None)
         if oldest is None:
             return
-        waited = time.perf_counter() - oldest.t_submit
+        waited = self._clock() - oldest.t_submit
         if waited > self.max_wait_s:
             raise QueueFullError(
                 f"the server is saturated: the oldest waiting request has waited {waited:.0f} s "
                 f"(limit {self.max_wait_s:g} s)", retry_after_s=max(1, math.ceil(waited - self.max_wait_s)))
+        wait = self.expected_wait(len(self.waiting) + also_waiting)
+        if wait > self.max_wait_s:
+            raise QueueFullError(
+                f"the server is saturated: a new request would wait about {wait:.0f} s for a lane "
+                f"(limit {self.max_wait_s:g} s)", retry_after_s=max(1, math.ceil(wait - self.max_wait_s)))
+
+    def expected_wait(self, ahead: int) -> float:
+        """Seconds a request queued behind `ahead` others can expect to wait for a lane: it starts when
+        the lanes free now and `ahead + 1` more have freed, one every `held_s / lanes` seconds."""
+        if self.held_s is None:
+            return 0.0
+        return max(ahead + 1 - len(self._free_ids), 0) * self.held_s / self._n_lanes
 
     def admit(self) -> Admission | None:
         """Take the request in turn (module docstring) if it may start now, with a lane id and its
@@ -129,11 +157,14 @@ class Scheduler:
 
     def start(self, lane: Lane) -> None:
         self.lanes.append(lane)
+        self._started[lane.seq_id] = self._clock()
 
     def release(self, lane: Lane) -> None:
         """The lane's request ended: its sequence id is free again (its cells were freed by the caller)."""
         self.lanes.remove(lane)
         self._free_ids.append(lane.seq_id)
+        held = self._clock() - self._started.pop(lane.seq_id)
+        self.held_s = held if self.held_s is None else (1 - HELD_ALPHA) * self.held_s + HELD_ALPHA * held
 
     def take_cancelled(self) -> list[Waiting]:
         """Remove and return the waiting requests whose callers gave up."""

@@ -86,7 +86,7 @@ class ServerSettings:
     trace_log: Path | None = None
     #: Requests waiting for a lane beyond this get 503 with Retry-After.
     queue_size: int = 64
-    #: New requests get 503 with Retry-After while the oldest waiting one has waited longer (0: never).
+    #: Seconds a request may wait for a lane before new ones get 503 with Retry-After (0: never).
     max_queue_wait: float = 15.0
     #: Fast mode: hits at any length; output may move in the last float bits with
     #: batching and pool occupancy (default: exact mode).
@@ -358,7 +358,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
            "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
     Option("max_queue_wait", "--max-queue-wait", "SKIPPY_MAX_QUEUE_WAIT", "max_queue_wait", _seconds,
-           "seconds the oldest waiting request may have waited before new requests get 503 + Retry-After: "
+           "seconds a request may wait for a lane: a new request that would wait longer (from how long "
+           "requests held their lanes lately), or whose queue's oldest request has, gets 503 + Retry-After; "
            "past saturation this keeps time to first token bounded (default 15; 0: never)", "S"),
     Option("fast", "--fast", "SKIPPY_FAST", "fast", _bool,
            "fast mode: hits at any length, but output may move in the last float bits "
