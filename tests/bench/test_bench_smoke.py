@@ -8,23 +8,27 @@ one server. No timing is asserted: the machine is shared.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
 from skippy_cache.bench import WORKLOADS, BenchConfig, Sizes, TargetSpec, bench, parse_url_option
+from skippy_cache.bench import replay as replay_workload
 from skippy_cache.bench import replicas as replicas_module
 from skippy_cache.bench.cli import add_arguments, config_from_args
 from skippy_cache.bench.results import headline_table
 from skippy_cache.bench.replicas import ReplicasError, configurations, find_redis_server
 from skippy_cache.bench.run import REPLICAS, planned_requests
-from skippy_cache.bench.targets import free_port
+from skippy_cache.bench.targets import free_port, server_command
 from skippy_cache.sizing.trace import TraceRequest
 
 pytestmark = pytest.mark.timeout(240)
@@ -339,6 +343,30 @@ def test_the_trace_workload_compares_the_live_cached_share_with_the_replays(tmp_
     assert goal["met"], goal
 
 
+@pytest.mark.parametrize("scale", [None, 0.05])
+def test_the_trace_workload_sends_in_order_or_at_the_trace_s_times_scaled(scale: float | None) -> None:
+    trace = [TraceRequest(ms, 600, 1, (i,)) for i, ms in enumerate([0.0, 400.0, 1400.0])]
+    events: list[tuple[str, int, float]] = []
+
+    async def request(workload, target, group, path, body):
+        n = len(events) // 2
+        events.append(("sent", n, time.perf_counter()))
+        await asyncio.sleep(0.2)  # each answer takes longer than the first gap, scaled
+        events.append(("answered", n, time.perf_counter()))
+
+    run = SimpleNamespace(sizes=replace(TINY, trace_requests=3, trace_time_scale=scale), trace=trace, seed=0,
+                          targets_for=lambda workload: [SimpleNamespace(kind="llama-server")],
+                          request=request, span=lambda *args: None)
+    started = time.perf_counter()
+    asyncio.run(replay_workload.trace(run))
+    sent = [t - started for kind, _, t in events if kind == "sent"]
+    if scale is None:  # each after the last one's answer
+        assert [kind for kind, _, _ in events] == ["sent", "answered"] * 3
+    else:  # at 0, 20 and 70 ms, each without waiting for the answers before it
+        assert [kind for kind, _, _ in events][:3] == ["sent"] * 3
+        assert sent[1] >= 0.019 and sent[2] >= 0.069
+
+
 def test_the_trace_workload_needs_its_trace(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -348,6 +376,15 @@ def test_the_trace_workload_needs_its_trace(tmp_path: Path) -> None:
     path.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1, 2]}\n')
     config = config_from_args(parser.parse_args(["--workloads", "trace", "--trace", str(path)]))
     assert config.workloads == ["trace"] and len(config.trace) == 1
+    with pytest.raises(ValueError, match="multiple of 64"):
+        config_from_args(parser.parse_args(["--workloads", "trace", "--trace", str(path), "--block-tokens", "32"]))
+    config = config_from_args(parser.parse_args(["--workloads", "trace", "--trace", str(path),
+                                                 "--block-tokens", "128", "--time-scale", "0.5"]))
+    assert config.sizes.trace_block_tokens == 128 and config.sizes.trace_time_scale == 0.5
+    command = server_command("skippy-cache", 1, Path("m.gguf"), 2048, chunk_tokens=128)
+    assert command[command.index("--chunk-tokens") + 1] == "128"
+    with pytest.raises(ValueError, match="the trace workload's"):
+        config_from_args(parser.parse_args(["--time-scale", "2"]))
     path.write_text("nonsense\n")
     with pytest.raises(ValueError, match=r"--trace: .*:1: not a trace request"):
         config_from_args(parser.parse_args(["--workloads", "trace", "--trace", str(path)]))

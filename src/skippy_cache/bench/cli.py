@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import math
 import os
 import sys
 from collections.abc import Callable, Coroutine, Iterator
@@ -62,6 +63,7 @@ from skippy_cache.bench.targets import (
     running_targets,
 )
 from skippy_cache.bench.workloads import WORKLOAD_FUNCTIONS, calibrate
+from skippy_cache.placement import ALIGN
 from skippy_cache.sizing.trace import TraceError, TraceRequest
 from skippy_cache.sizing.trace import read_trace as read_trace_requests
 
@@ -189,6 +191,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, default=None, metavar="PATH",
                         help="Mooncake-format JSONL: the trace workload's requests; with --arrivals trace, the "
                         "arrival times (timestamp in ms; or seconds, one per line)")
+    parser.add_argument("--block-tokens", type=int, default=FULL.trace_block_tokens, metavar="N",
+                        help="--workloads trace: tokens each 512-token block of the trace becomes, a multiple of "
+                        f"{ALIGN}; skippy-cache is started with --chunk-tokens N (default {FULL.trace_block_tokens})")
+    parser.add_argument("--time-scale", type=float, default=None, metavar="S",
+                        help="--workloads trace: send each request at its trace time times S, without waiting "
+                        "for the answers before it (default: one at a time, in trace order)")
     parser.add_argument("--slo-ttft-ms", type=float, default=SLO().ttft_ms, metavar="MS",
                         help=f"open loop: a request is good within this TTFT (default {SLO().ttft_ms:g})")
     parser.add_argument("--slo-tpot-ms", type=float, default=SLO().tpot_ms, metavar="MS",
@@ -305,6 +313,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         if args.runs < 1:
             raise ValueError("--runs must be at least 1")
         sizes = replace(sizes, warm_repeats=args.runs)
+    if args.block_tokens < ALIGN or args.block_tokens % ALIGN:
+        raise ValueError(f"--block-tokens must be a multiple of {ALIGN} (the server's record grid)")
+    if args.time_scale is not None and not (args.time_scale > 0 and math.isfinite(args.time_scale)):
+        raise ValueError("--time-scale must be a positive number")
+    if TRACE not in workloads and (args.block_tokens != FULL.trace_block_tokens or args.time_scale is not None):
+        raise ValueError("--block-tokens and --time-scale are the trace workload's (--workloads trace)")
+    sizes = replace(sizes, trace_block_tokens=args.block_tokens, trace_time_scale=args.time_scale)
     if AGENT in workloads and args.ctx_size < sizes.agent_context:
         raise ValueError(f"--workloads agent: {sizes.agents} agents' histories need --ctx-size "
                          f"{sizes.agent_context} or more on a server whose slots share no cells "
@@ -480,6 +495,8 @@ def _measure_targets(
         ctx_size=config.ctx_size,
         log_dir=log_dir,
         llama_server=llama_server,
+        # The replay names the trace's blocks as the server names its chunks.
+        chunk_tokens=config.sizes.trace_block_tokens if TRACE in config.workloads else None,
     ) as targets:
         for t in targets:
             state = f"[red]NOT READY: {t.error}[/]" if t.error else "[green]ready[/]"

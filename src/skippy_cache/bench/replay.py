@@ -4,13 +4,17 @@ Each request of the trace (its first `Sizes.trace_requests`) becomes a prompt of
 hash id its own run of `Sizes.trace_block_tokens` ids, the trace's 512-token blocks scaled down so
 that its prompts fit a small model's context (a partial last block in proportion). Prompts go out
 one at a time in trace order, so a server sees them in the order the replay does; the gaps between
-them are not kept. For each skippy-cache target the workload then asks the server for its budgets
-(`/v1/cache`) and replays the same requests through `skippy_cache.sizing.replay` under them: the
-live cached share and the predicted one, side by side.
+them are not kept. With `Sizes.trace_time_scale` each goes out at its trace time times the scale
+instead, answered or not: a server then also sees the trace's concurrency, and a request may
+arrive while the prefix it shares is still being computed (the replay, which serves requests in
+order, counts that prefix as cached). For each skippy-cache target the workload then asks the
+server for its budgets (`/v1/cache`) and replays the same requests through
+`skippy_cache.sizing.replay` under them: the live cached share and the predicted one, side by side.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -48,9 +52,17 @@ async def trace(run: Run) -> None:
     prompts = [prompt_tokens(r, s.trace_block_tokens, run.seed) for r in requests]
     for target in run.targets_for(TRACE):
         started = time.perf_counter()
-        for tokens in prompts:
-            body = {"prompt": tokens, "max_tokens": s.trace_max_tokens, "temperature": 0}
-            await run.request(TRACE, target, "trace", COMPLETIONS, body)
+        bodies = [{"prompt": tokens, "max_tokens": s.trace_max_tokens, "temperature": 0} for tokens in prompts]
+        if s.trace_time_scale is None:
+            for body in bodies:
+                await run.request(TRACE, target, "trace", COMPLETIONS, body)
+        else:
+            sent = []
+            for request, body in zip(requests, bodies, strict=True):
+                due = (request.timestamp - requests[0].timestamp) / 1000 * s.trace_time_scale
+                await asyncio.sleep(max(0.0, due - (time.perf_counter() - started)))
+                sent.append(asyncio.create_task(run.request(TRACE, target, "trace", COMPLETIONS, body)))
+            await asyncio.gather(*sent)
         run.span(TRACE, target, "trace", started, len(prompts))
         if target.kind == "skippy-cache":
             run.predicted[target.label] = await _predict(run, target, requests)

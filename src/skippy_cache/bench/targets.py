@@ -114,9 +114,10 @@ def weight_layout(model: Path) -> WeightLayout:
 
 def server_command(
     kind: str, port: int, model: Path, ctx_size: int, llama_server: Path | None = None,
-    store_dir: Path | None = None, *, repack: bool = True,
+    store_dir: Path | None = None, *, repack: bool = True, chunk_tokens: int | None = None,
 ) -> list[str]:
-    """How the bench starts a server; skippy-cache keeps its disk tier in `store_dir` (None: no disk tier).
+    """How the bench starts a server; skippy-cache keeps its disk tier in `store_dir` (None: no disk tier)
+    and, when given, stores chunks of `chunk_tokens` tokens.
 
     `repack`: whether the weights are repacked (`weight_layout`). llama-cpp-python's server cannot
     be told, so without repacking it runs through `plainpeer`.
@@ -142,6 +143,8 @@ def server_command(
             "--weight-repack",
             "on" if repack else "off",
         ]
+        if chunk_tokens is not None:
+            cmd += ["--chunk-tokens", str(chunk_tokens)]
         return cmd + (["--cache-mode", "off"] if kind == "skippy-cache-off" else [])
     threads = str(available_cores())
     if kind in LLAMA_SERVERS:
@@ -253,9 +256,11 @@ def wait_ready(targets: list[Target]) -> None:
 
 @contextmanager
 def running_targets(
-    specs: list[TargetSpec], *, model: Path, ctx_size: int, log_dir: Path, llama_server: Path | None = None
+    specs: list[TargetSpec], *, model: Path, ctx_size: int, log_dir: Path, llama_server: Path | None = None,
+    chunk_tokens: int | None = None,
 ) -> Iterator[list[Target]]:
-    """Start every server the specs ask for (all at once, then wait for each), stop them on exit."""
+    """Start every server the specs ask for (all at once, then wait for each), stop them on exit;
+    skippy-cache with chunks of `chunk_tokens` when given."""
     targets: list[Target] = []
     started = [spec for spec in specs if spec.kind != "url"]
     repack = weight_layout(model).use_extra_bufts if started else True
@@ -269,7 +274,8 @@ def running_targets(
             log_dir.mkdir(parents=True, exist_ok=True)
             # A fresh disk tier per run: a store kept from an earlier run has seen this run's prompts.
             store_dir = Path(tempfile.mkdtemp(prefix="store-", dir=log_dir)) if spec.kind == "skippy-cache" else None
-            command = server_command(spec.kind, port, model, ctx_size, llama_server, store_dir, repack=repack)
+            command = server_command(spec.kind, port, model, ctx_size, llama_server, store_dir, repack=repack,
+                                     chunk_tokens=chunk_tokens)
             targets.append(launch(spec.label, spec.kind, command, log_dir / f"{spec.kind}.log", port))
         wait_ready(targets)
         yield targets
