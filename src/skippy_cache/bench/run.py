@@ -62,8 +62,8 @@ class Sizes:
     trace_requests: int = 120
     trace_block_tokens: int = 64
     trace_max_tokens: int = 8
-    #: Seconds per second of the trace between the requests' sends (None: one at a time, each sent
-    #: when the last is answered).
+    #: Each request is sent at its trace time times this, answered or not (None: one at a time, each
+    #: sent when the last is answered).
     trace_time_scale: float | None = None
 
     @property
