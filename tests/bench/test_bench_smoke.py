@@ -346,24 +346,23 @@ def test_the_trace_workload_compares_the_live_cached_share_with_the_replays(tmp_
 @pytest.mark.parametrize("scale", [None, 0.05])
 def test_the_trace_workload_sends_in_order_or_at_the_trace_s_times_scaled(scale: float | None) -> None:
     trace = [TraceRequest(ms, 600, 1, (i,)) for i, ms in enumerate([0.0, 400.0, 1400.0])]
-    events: list[tuple[str, int, float]] = []
+    events: list[tuple[str, float]] = []
 
     async def request(workload, target, group, path, body):
-        n = len(events) // 2
-        events.append(("sent", n, time.perf_counter()))
+        events.append(("sent", time.perf_counter()))
         await asyncio.sleep(0.2)  # each answer takes longer than the first gap, scaled
-        events.append(("answered", n, time.perf_counter()))
+        events.append(("answered", time.perf_counter()))
 
     run = SimpleNamespace(sizes=replace(TINY, trace_requests=3, trace_time_scale=scale), trace=trace, seed=0,
                           targets_for=lambda workload: [SimpleNamespace(kind="llama-server")],
                           request=request, span=lambda *args: None)
     started = time.perf_counter()
     asyncio.run(replay_workload.trace(run))
-    sent = [t - started for kind, _, t in events if kind == "sent"]
+    sent = [t - started for kind, t in events if kind == "sent"]
     if scale is None:  # each after the last one's answer
-        assert [kind for kind, _, _ in events] == ["sent", "answered"] * 3
+        assert [kind for kind, _ in events] == ["sent", "answered"] * 3
     else:  # at 0, 20 and 70 ms, each without waiting for the answers before it
-        assert [kind for kind, _, _ in events][:3] == ["sent"] * 3
+        assert [kind for kind, _ in events][:3] == ["sent"] * 3
         assert sent[1] >= 0.019 and sent[2] >= 0.069
 
 

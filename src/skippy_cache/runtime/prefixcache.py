@@ -507,16 +507,11 @@ class PrefixCache:
         if (store is None or keep is Keep.NONE or prefix.page_id in store
                 or self.pool.cells.seq_len(lane.seq_id) != prefix.token_count):
             return  # a prefix shorter than the lane (an off-grid end) would need a partial export
-        queued = store.put(prefix.page_id, lane.space, tokens, self.pool.export(lane.seq_id),
-                           logits.tobytes() if logits is not None else None, durable=False,
-                           kernels=lane.kernels if self.deterministic else None, owner=lane.request.tenant,
-                           local=keep is Keep.RAM)
-        if queued:
-            self.tiers.file(prefix.page_id, lane.space, tokens, lane.kernels if self.deterministic else None)
+        kernels = lane.kernels if self.deterministic else None
+        if self._put(prefix.page_id, lane.space, tokens, lane.seq_id, logits, durable=False, kernels=kernels,
+                     owner=lane.request.tenant, keep=keep):
+            self.tiers.file(prefix.page_id, lane.space, tokens, kernels)
             self._book_recorded(lane.space, lane.request, tokens)
-            self.counters.demotions += 1
-        else:
-            self.counters.store_drops += 1
         self._forget_store_pages(store.prune())
 
     # -- pins -----------------------------------------------------------------------
@@ -783,16 +778,34 @@ class PrefixCache:
         if keep is Keep.NONE:
             return
         space, tokens = self._entries[page_id]
-        logits = self.tiers.logits.get(page_id)
-        queued = store.put(page_id, space, tokens, self.pool.export(seq_id),
-                           logits.tobytes() if logits is not None else None, durable=page_id in self._reused,
-                           kernels=self.tiers.kernels.get(page_id), owner=self._owners.get(page_id),
-                           local=keep is Keep.RAM)
+        self._put(page_id, space, tokens, seq_id, self.tiers.logits.get(page_id), durable=page_id in self._reused,
+                  kernels=self.tiers.kernels.get(page_id), owner=self._owners.get(page_id), keep=keep)
+        self._forget_store_pages(store.prune())
+
+    def _put(
+        self,
+        page_id: PageId,
+        space: Hashable,
+        tokens: list[int],
+        seq_id: int,
+        logits: np.ndarray | None,
+        *,
+        durable: bool,
+        kernels: Kernels | None,
+        owner: str | None,
+        keep: Keep,
+    ) -> bool:
+        """Export `seq_id`'s state to the store as `page_id`; counted as a demotion, or as a drop when the
+        store's writer is too far behind to take it."""
+        assert self.store is not None
+        queued = self.store.put(page_id, space, tokens, self.pool.export(seq_id),
+                                logits.tobytes() if logits is not None else None, durable=durable,
+                                kernels=kernels, owner=owner, local=keep is Keep.RAM)
         if queued:
             self.counters.demotions += 1
         else:
             self.counters.store_drops += 1
-        self._forget_store_pages(store.prune())
+        return queued
 
     @property
     def persist_left(self) -> bool:

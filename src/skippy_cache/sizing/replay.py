@@ -318,22 +318,18 @@ class Replica:
 
     def _record(self, prompt: Prompt, figures: ReplayFigures) -> None:
         """Keep the request's state: in the pool when there is a resident tier (its chunks go to the store
-        when it leaves), else straight into the store, as a prompt over the pool's budget also goes (as
-        a server does); and to the shared tier at once."""
+        when it leaves), else straight into the store; and to the shared tier at once."""
         if self.config.capacities.resident_tokens > 0:
-            kept = self._record_resident(prompt)
-            if kept is None:
-                self._write(prompt, self.chunks)
-            elif not kept:
+            if not self._record_resident(prompt):
                 return
         else:
             self._write(prompt, self.chunks)
         if self.shared is not None:
             figures.remote_written_bytes += self._write(prompt, self.shared)
 
-    def _record_resident(self, prompt: Prompt) -> bool | None:
-        """Record the prompt in the pool; False when it is kept nowhere (shorter than `min_tokens`),
-        None when it is longer than the pool's budget (the store takes it)."""
+    def _record_resident(self, prompt: Prompt) -> bool:
+        """Record the prompt in the pool, or in the store when it is longer than the pool's budget (as a
+        server stores it from its lane); False when it is kept nowhere (shorter than `min_tokens`)."""
         resident = self.tiers.resident
         n = len(prompt.tokens)
         nbytes = n * self.config.kv_bytes_per_token
@@ -344,7 +340,10 @@ class Replica:
             self.tiers.forget_if_gone(page)
         self._left.clear()
         if not allocation.should_save:
-            return None if allocation.reason == "uncacheable" else allocation.reason == "exists"
+            if allocation.reason == "uncacheable":
+                self._write(prompt, self.chunks)
+                return True
+            return allocation.reason == "exists"
         resident.commit_record(prompt.page_id, allocation.seq_id, n, nbytes)
         self.tiers.file(prompt.page_id, prompt.space, prompt.tokens)
         self.tiers.logits[prompt.page_id] = _NO_LOGITS
