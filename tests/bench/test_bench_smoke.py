@@ -25,8 +25,8 @@ from skippy_cache.bench import WORKLOADS, BenchConfig, Sizes, TargetSpec, bench,
 from skippy_cache.bench import replay as replay_workload
 from skippy_cache.bench import replicas as replicas_module
 from skippy_cache.bench.cli import add_arguments, config_from_args
-from skippy_cache.bench.results import headline_table
 from skippy_cache.bench.replicas import ReplicasError, configurations, find_redis_server
+from skippy_cache.bench.results import headline_table
 from skippy_cache.bench.run import REPLICAS, planned_requests
 from skippy_cache.bench.targets import free_port, server_command
 from skippy_cache.sizing.trace import TraceRequest

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from skippy_cache.bench import plainpeer
 from skippy_cache.bench.llamaserver import ENV, LlamaServerError, find_llama_server
 from skippy_cache.bench.run import FULL
 from skippy_cache.bench.summary import Figure, goals
-from skippy_cache.bench import plainpeer
 from skippy_cache.bench.targets import LLAMA_SERVER, SKIPPY, server_command
 
 
@@ -87,3 +87,12 @@ def test_targets_against_llama_server() -> None:
     assert checks["zero throughput vs llama-server"] is False
     # Without llama-server in the run, none of its targets is listed.
     assert not any("llama-server" in g.name for g in goals(_figs(ours, theirs), FULL, "skippy-cache", None, []))
+
+
+def test_the_reference_is_never_its_own_peer() -> None:
+    # `--no-skippy --url a=... --url b=...`: both are URL targets, so both are in the peer list.
+    size = max(FULL.warm_prompt_tokens)
+    figs = [Figure("warm", f"P={size}: cold TTFT", "ms", "lower", {"a": 1000.0, "b": 1000.0}),
+            Figure("warm", f"P={size}: warm TTFT median", "ms", "lower", {"a": 10.0, "b": 15.0})]
+    checks = {g.name: g for g in goals(figs, FULL, "a", None, ["a", "b"])}
+    assert checks[f"warm P={size}: warm hit vs fastest peer"].got == "0.67x"  # not 1.00x against itself

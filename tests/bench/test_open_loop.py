@@ -115,6 +115,9 @@ def test_goals_hold_against_the_peer_with_the_best_goodput() -> None:
     assert tail.met is False and "1/s 100 vs 90" in tail.got and "2/s" in tail.got
     assert checks["tenants: hit TTFT p50 up to the peer's saturation"].met is True
     assert checks["tenants: no request lost"].met is True
+    # With `--no-skippy --url a=... --url fast=...` the reference is one of the URL targets: never its own peer.
+    checks = {g.name: g for g in open_goals(points, "a", ["a", "fast"], None)}
+    assert "tenants: best goodput vs fast" in checks and "tenants: best goodput vs a" not in checks
 
 
 def parse(*argv: str) -> BenchConfig:

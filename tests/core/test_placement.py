@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from skippy_cache.cells import CellMap
 from hypothesis import given
 from hypothesis import strategies as st
 
+from skippy_cache.cells import CellMap
 from skippy_cache.placement import (
     ALIGN,
     aligned_target,

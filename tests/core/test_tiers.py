@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skippy_cache.config import ResidentCacheConfig
-from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identity
 from skippy_cache.exact import kernels
+from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identity
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.tiers import CacheTiers, Hit, Query, Source, Why
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-
 from prompts import make_tokens
 
 from skippy_cache.runtime import Engine, EngineConfig

@@ -16,8 +16,7 @@ import llama_cpp as ll
 import pytest
 from test_store import persist
 
-from skippy_cache.runtime import Engine, EngineConfig, WeightLayoutError
-from skippy_cache.runtime import weightprobe
+from skippy_cache.runtime import Engine, EngineConfig, WeightLayoutError, weightprobe
 from skippy_cache.runtime.gguf_info import default_model_path, read_gguf_info
 from skippy_cache.runtime.native import extra_weight_buffers, runtime_abi
 from skippy_cache.runtime.requests import GenerationRequest

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import schemathesis
-from schemathesis import GenerationMode
 from hypothesis import HealthCheck, given, settings
 from live_server import LiveServer, run_server
+from schemathesis import GenerationMode
 
 from skippy_cache.runtime import Engine
 from skippy_cache.server import ServerSettings

@@ -120,10 +120,19 @@ def test_every_metric_is_in_the_docs_and_every_documented_one_exists(server: Liv
 
 def test_exact_mode_placement_in_metrics(exact_server: LiveServer) -> None:
     # Exact mode steers cells onto the grid with imported pads: how much, and whether a step missed it.
-    # The second prompt's blocks cannot start where the first one's cells end: pads fill the gap.
-    for topic in ("placement", "alignment"):
-        prompt = f"{topic} test: " + " ".join(f"line {i} of a preamble long enough to tile." for i in range(24))
-        exact_server.openai().completions.create(model=exact_server.model_id, prompt=prompt, max_tokens=2)
+    # A prompt that starts while another request decodes cannot start where that lane's cells end (its
+    # room to grow is kept), and no idle entry can make way for it: pads fill the gap. (Alone on a
+    # fresh pool, one request after another, the second one's lane would take the first one's
+    # demoted entry's cells from cell 0 instead.)
+    def prompt(topic: str) -> str:
+        return f"{topic} test: " + " ".join(f"line {i} of a preamble long enough to tile." for i in range(24))
+
+    client = exact_server.openai()
+    decoding = client.completions.create(model=exact_server.model_id, prompt=prompt("placement"), max_tokens=48,
+                                         stream=True)
+    next(iter(decoding))
+    client.completions.create(model=exact_server.model_id, prompt=prompt("alignment"), max_tokens=2)
+    list(decoding)  # to its end, so the lane is done before the counters are read
     samples = exact_server.metrics()
     with exact_server.http() as http:
         placement = http.get("/v1/cache").json()["pool"]

@@ -10,7 +10,13 @@ from skippy_cache.__main__ import build_parser
 from skippy_cache.config import StageKvCacheMode
 from skippy_cache.eviction import Policy
 from skippy_cache.runtime import EngineConfig
-from skippy_cache.server.settings import OPTIONS, ServerSettings, SettingsError, default_cache_dir, load_settings
+from skippy_cache.server.settings import (
+    OPTIONS,
+    ServerSettings,
+    SettingsError,
+    default_cache_dir,
+    load_settings,
+)
 from skippy_cache.weights import WeightRepack
 
 MIB = 1024 * 1024

@@ -279,7 +279,9 @@ def open_goals(points: list[RatePoint], reference: str, peers: list[str], off: s
     checks: list[Goal] = []
     for workload in sorted({p.workload for p in points}):
         mine = {p.rate: p for p in points if p.workload == workload and p.target == reference}
-        rivals = [label for label in peers if any(p.workload == workload and p.target == label for p in points)]
+        # A URL target is both the reference and a peer when the bench started no skippy-cache of its own.
+        rivals = [label for label in peers
+                  if label != reference and any(p.workload == workload and p.target == label for p in points)]
         if not mine or not rivals:
             continue
         theirs_all = {label: [p for p in points if p.workload == workload and p.target == label] for label in rivals}

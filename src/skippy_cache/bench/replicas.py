@@ -40,7 +40,15 @@ import httpx
 import redis
 
 from skippy_cache.bench.run import REPLICAS, Replicas, Run
-from skippy_cache.bench.targets import Target, free_port, launch, server_command, stop, wait_ready, weight_layout
+from skippy_cache.bench.targets import (
+    Target,
+    free_port,
+    launch,
+    server_command,
+    stop,
+    wait_ready,
+    weight_layout,
+)
 from skippy_cache.bench.workloads import calibrate, conversations, tenant_rounds
 from skippy_cache.runtime import available_cores
 

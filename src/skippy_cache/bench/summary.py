@@ -257,7 +257,8 @@ def goals(figs: list[Figure], sizes: Sizes, reference: str, off: str | None, pee
         ok = hot / cold <= 1 / 50 if hot is not None and cold else None
         got = f"{hot:.1f} / {cold:.1f} ms = 1/{cold / hot:.0f}" if hot and cold else "n/a"
         out.append(Goal(f"warm P={size}: warm hit vs cold", "<= 1/50", got, ok))
-        peer_hits = [v for p in peers if (v := value("warm", f"P={size}: warm TTFT median", p)) is not None]
+        peer_hits = [v for p in peers
+                     if p != reference and (v := value("warm", f"P={size}: warm TTFT median", p)) is not None]
         if peer_hits and hot is not None:
             best = min(peer_hits)
             out.append(

@@ -18,7 +18,6 @@ from skippy_cache.sizing.replay import (
     ReplayFigures,
     Routing,
     belady,
-    infinite_bound,
     replay,
 )
 from skippy_cache.sizing.trace import BLOCK_TOKENS, TraceError, TraceRequest, read_trace
@@ -303,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     figures = replay(requests, config, count_from_ms=count_from)
     seconds = time.perf_counter() - t0
-    bound = infinite_bound(requests, args.block_tokens, count_from_ms=count_from)
+    bound = figures.bound()
     result = report(args, config, figures, bound, prefill_rate, seconds)
     out = asdict(result)
     if args.plot is not None:

@@ -96,6 +96,8 @@ class ReplayFigures:
     remote_written_bytes: int = 0
     #: Requests each replica served.
     per_replica: list[int] = field(default_factory=list)
+    #: Prompt tokens a cache that never evicts would have served (the infinite-cache bound's hits).
+    bound_hit_tokens: int = 0
 
     @property
     def total_hit_tokens(self) -> int:
@@ -104,6 +106,10 @@ class ReplayFigures:
     def ratio(self, source: str | None = None) -> float:
         tokens = self.total_hit_tokens if source is None else self.hit_tokens.get(source, 0)
         return tokens / self.input_tokens if self.input_tokens else 0.0
+
+    def bound(self) -> float:
+        """The infinite-cache bound's token hit ratio over the same requests (`infinite_bound`)."""
+        return self.bound_hit_tokens / self.input_tokens if self.input_tokens else 0.0
 
 
 class Placeholder:
@@ -431,6 +437,9 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, *, count_from
     router = Router(config.routing, replicas)
     prompts = Prompts(config.block_tokens)
     figures = ReplayFigures(per_replica=[0] * config.replicas)
+    # Every key named so far: the infinite-cache bound, counted in the same pass (naming a prompt's
+    # chunks hashes all its tokens, the replay's main cost).
+    seen: set[str] = set()
     for request in requests:
         now[0] = request.seconds
         prompt = prompts.prompt(request)
@@ -438,10 +447,14 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, *, count_from
         counted = request.timestamp >= count_from_ms
         hit = replicas[index].serve(prompt, figures if counted else ReplayFigures())
         router.served(index, prompt, request, hit, config)
+        keys, sizes = list(prompt.chunk_keys), prompt_sizes(prompt, config.block_tokens)
         if counted:
             figures.requests += 1
             figures.input_tokens += request.input_length
             figures.per_replica[index] += 1
+            figures.bound_hit_tokens += _hit(keys, prompt.tail_key, sizes, seen.__contains__)
+        seen.update(keys)
+        seen.add(prompt.tail_key)
     return figures
 
 
@@ -454,10 +467,14 @@ def block_keys(requests: Sequence[TraceRequest], block_tokens: int) -> list[tupl
     out = []
     for request in requests:
         p = prompts.prompt(request)
-        n = len(p.tokens)
-        sizes = [block_tokens] * len(p.chunk_keys) + [n - len(p.chunk_keys) * block_tokens]
-        out.append((list(p.chunk_keys), p.tail_key, sizes))
+        out.append((list(p.chunk_keys), p.tail_key, prompt_sizes(p, block_tokens)))
     return out
+
+
+def prompt_sizes(prompt: Prompt, block_tokens: int) -> list[int]:
+    """The tokens each of a prompt's keys covers: its chunks, then its tail."""
+    n = len(prompt.tokens)
+    return [block_tokens] * len(prompt.chunk_keys) + [n - len(prompt.chunk_keys) * block_tokens]
 
 
 def _hit(keys: list[str], tail: str, sizes: list[int], held: Callable[[str], bool]) -> int:
