@@ -25,6 +25,8 @@ class Planned:
     p1: int
     #: Batch row whose logits are sampled, or -1 for a prefill chunk.
     row: int
+    #: A lone decode's guessed next token (drafts.py), fed at p0 + 1 in row `row + 1`; -1: none.
+    guess: int = -1
 
 
 class BatchBuilder:
@@ -39,7 +41,9 @@ class BatchBuilder:
     prefill chunks, never both, and a step of one row gets a pad row
     of a spare sequence: every decode row is computed row by row, the same
     alone or next to other lanes, and an exact repeat continues as its first
-    run did. Steps alternate while both kinds wait:
+    run did. A lone decode row's second row is, where it can be, its lane's
+    guessed next token instead (drafts.py): a step that guessed right yields two
+    tokens, each with the floats of its own step. Steps alternate while both kinds wait:
     - a decode step: every decoding lane's next token (one row each). It comes
       right after a prefill step, and whenever a lane's last prompt token waits:
       that first token would otherwise wait for another lane's whole prefill
@@ -67,8 +71,11 @@ class BatchBuilder:
     """
 
     def __init__(self, batch: Batch, grid: int, *, deterministic: bool, fill_tokens: int, pad_seq: int,
-                 lone_last: bool = False) -> None:
+                 lone_last: bool = False, guess: bool = False) -> None:
         self.batch = batch
+        #: A lone decode row's second row is its lane's guessed next token rather than a pad row
+        #: (drafts.py). Only where a sequence's last cell can be taken back (attention memory).
+        self.guess = guess
         self.grid = grid
         self.deterministic = deterministic
         #: The last prompt token always gets a step of its own (recurrent memories, family.py):
@@ -122,7 +129,22 @@ class BatchBuilder:
             row = batch.add(lane.seq_id, [lane.next_token], lane.n_past, True)
             planned.append(Planned(lane, lane.n_past, lane.n_past + 1, row))
         self._last_step_prefilled = False
+        if len(planned) == 1 and self.guess:
+            self._add_guess(planned[0])
         return self._padded(planned)
+
+    def _add_guess(self, decode: Planned) -> None:
+        """In place of the pad row: the lane's guessed next token, when the token this step samples
+        may not be its last (the guess would serve nothing after it)."""
+        lane = decode.lane
+        if lane.phase is not Phase.DECODE or len(lane.generated) + 1 >= lane.request.max_tokens:
+            return
+        guess = lane.guess()
+        if guess is None:
+            return
+        self.batch.add(lane.seq_id, [guess], decode.p1, True)
+        decode.p1 += 1
+        decode.guess = guess
 
     def _deterministic_chunks(self, prefilling: list[Lane], rows: int) -> list[Planned]:
         """The first lane's next tiled rows alone, or its next rows that are computed one at a time,

@@ -172,7 +172,7 @@ class Engine:
         # lanes run: steering.py).
         self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
                                      fill_tokens=config.fill_tokens, pad_seq=config.lanes,
-                                     lone_last=family.whole_entries)
+                                     lone_last=family.whole_entries, guess=config.lookup_decoding and family.any_prefix)
         # Placement pads are imported states of zeroed KV rows (steering.py), which attention and
         # sliding-window caches have; recurrent memories get grid-aligned chunks and lone prefill
         # steps, not steered cells.
@@ -237,6 +237,9 @@ class Engine:
         self._closing = False
         self._steps = 0
         self._decode_failures = 0
+        #: Lone decode steps that fed a guessed token (drafts.py), and those whose guess was taken.
+        self._guesses = 0
+        self._guesses_taken = 0
         self._requests_done = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
@@ -465,6 +468,8 @@ class Engine:
             placement=replace(self.placement.stats),
             steps=self._steps,
             decode_failures=self._decode_failures,
+            guesses=self._guesses,
+            guesses_taken=self._guesses_taken,
             requests_done=self._requests_done,
             prompt_tokens=self._prompt_tokens,
             cached_tokens=self._cached_tokens,
@@ -667,15 +672,32 @@ class Engine:
                 self.cache.first_logits(lane, logits)
         if logits is None and lane.request.top_logprobs is not None:
             logits = self.ctx.logits(item.row)
-        self._take_token(lane, lane.sampler.sample(self.ctx, item.row), logits)
+        token = lane.sampler.sample(self.ctx, item.row)
+        if item.guess < 0:
+            self._take_token(lane, token, logits)
+            return
+        # The step also fed the lane's guess at the next position (drafts.py).
+        self._guesses += 1
+        lane.n_past = item.p0 + 1
+        if token != item.guess:
+            # Its cell goes before anything can record the lane's cells.
+            self.pool.trim(lane.seq_id, lane.n_past)
+            self._take_token(lane, token, logits)
+            return
+        if not self._take_token(lane, token, logits):
+            return  # finished on the guessed token: `_finish` took the guessed row's cell back
+        self._guesses_taken += 1
+        lane.n_past = item.p1
+        logits = self.ctx.logits(item.row + 1) if lane.request.top_logprobs is not None else None
+        self._take_token(lane, lane.sampler.sample(self.ctx, item.row + 1), logits)
 
-    def _take_token(self, lane: Lane, token: int, logits: np.ndarray | None = None) -> None:
+    def _take_token(self, lane: Lane, token: int, logits: np.ndarray | None = None) -> bool:
         """A sampled token (from `logits`, needed when the request wants logprobs): finish on EOG,
-        stop string or max_tokens, else feed it back next step."""
+        stop string or max_tokens, else feed it back next step. False when the lane finished."""
         if self.model.is_eog(token):
             self._finish(lane, FinishReason.STOP)
-            return
-        lane.generated.append(token)
+            return False
+        lane.take(token)
         delta = lane.stream.push(self.model.token_bytes(token))
         top_n = lane.request.top_logprobs
         logprobs = None if top_n is None or logits is None else token_logprobs(logits, token, top_n,
@@ -688,6 +710,8 @@ class Engine:
         else:
             lane.phase = Phase.DECODE
             lane.next_token = token
+            return True
+        return False
 
     @staticmethod
     def _prefill_done(lane: Lane) -> None:
@@ -696,6 +720,10 @@ class Engine:
 
     def _finish(self, lane: Lane, reason: FinishReason, error: str | None = None) -> None:
         completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if completed and self.pool.cells.pos_max(lane.seq_id) >= lane.n_past:
+            # A guessed row past the last token the lane took (drafts.py): the record holds exactly
+            # the state of the tokens decoded for the reply, as without the guess.
+            self.pool.trim(lane.seq_id, lane.n_past)
         tail = lane.stream.finish().text if completed else ""
         if tail:
             self._emit(lane.sink, TokenEvent(-1, tail))

@@ -65,6 +65,9 @@ class EngineConfig:
     #: hits at any length, with output that may move in
     #: the last float bits with batching and pool occupancy.
     deterministic: bool = True
+    #: Prompt lookup decoding: a lone decode step's spare row feeds the lane's guessed next token
+    #: instead of a pad (drafts.py): the same floats, two tokens from a step whose guess is right.
+    lookup_decoding: bool = True
     max_queue: int = 64
     #: New requests are refused when they would wait for a lane longer than this, or the oldest
     #: waiting one has (0: never).
@@ -161,6 +164,10 @@ class EngineStats:
     placement: PlacementStats
     steps: int
     decode_failures: int
+    #: Lone decode steps that fed a guessed next token in their spare row (drafts.py), and those
+    #: whose guess was the sampled token (two tokens from one step).
+    guesses: int
+    guesses_taken: int
     requests_done: int
     prompt_tokens: int
     cached_tokens: int

@@ -9,6 +9,7 @@ from enum import Enum
 
 import numpy as np
 
+from skippy_cache.drafts import Drafter
 from skippy_cache.exact import Kernels, kernels
 from skippy_cache.identity import PrefixIdentity
 from skippy_cache.runtime.native import Sampler
@@ -16,6 +17,10 @@ from skippy_cache.runtime.remote import Prefetched
 from skippy_cache.runtime.requests import EventSink, GenerationRequest, RequestHandle, RequestStats
 from skippy_cache.runtime.textstream import TextStream
 from skippy_cache.tiers import told
+
+#: Prompt tokens a lane's guesses look up (a long prompt's start is rarely what a reply repeats next,
+#: and the lookup's table is built on the engine thread).
+DRAFT_LOOKBACK = 2048
 
 
 class Phase(Enum):
@@ -75,6 +80,8 @@ class Lane:
     #: Phase JOIN: the lane whose cells of positions [0, join_at) this one will share.
     leader: Lane | None = None
     join_at: int = 0
+    #: The guesses of the lane's lone decode steps (drafts.py), made on the first one.
+    drafter: Drafter | None = None
     #: Which kernel computes each of the prompt's rows in deterministic mode (exact.py): fixed
     #: by the request, so worked out once, not on every step that plans the lane's chunks.
     kernels: Kernels = field(init=False)
@@ -102,6 +109,19 @@ class Lane:
         in a decode step, or in deterministic mode with the prompt's last rows (batching.py)."""
         return len(self.handle.request.tokens) - 1
 
+
+    def guess(self) -> int | None:
+        """A guess at the token after `next_token` (drafts.py); the prompt's last `DRAFT_LOOKBACK`
+        tokens and the reply so far are what it looks up."""
+        if self.drafter is None:
+            self.drafter = Drafter([*self.prompt[-DRAFT_LOOKBACK:], *self.generated])
+        return self.drafter.guess()
+
+    def take(self, token: int) -> None:
+        """A sampled token joins the reply."""
+        self.generated.append(token)
+        if self.drafter is not None:
+            self.drafter.push(token)
 
     @property
     def chunk_limit(self) -> int:

@@ -91,6 +91,8 @@ class ServerSettings:
     #: Fast mode: hits at any length; output may move in the last float bits with
     #: batching and pool occupancy (default: exact mode).
     fast: bool = False
+    #: A lone decode step's spare row decodes a guessed next token (drafts.py); output unchanged.
+    lookup_decoding: bool = True
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     model_alias: str = DEFAULT_MODEL_ALIAS
     #: Refuse (404) a request naming a model other than the model's id or the alias; off: any name
@@ -137,6 +139,7 @@ class ServerSettings:
             weight_repack=self.weight_repack,
             cache=self.cache,
             deterministic=not self.fast,
+            lookup_decoding=self.lookup_decoding,
             max_queue=self.queue_size,
             max_queue_wait_s=self.max_queue_wait,
             host_cache_bytes=None if self.host_cache_mib is None else self.host_cache_mib * MIB,
@@ -365,6 +368,11 @@ OPTIONS: tuple[Option, ...] = (
            "fast mode: hits at any length, but output may move in the last float bits "
            "with other traffic and with cache hits (default off: cache-on output equals cache-off output "
            "bit for bit)", is_bool=True),
+    Option("lookup_decoding", "--lookup-decoding", "SKIPPY_LOOKUP_DECODING", "lookup_decoding", _bool,
+           "prompt lookup decoding: a decode step of one request also decodes a guess at its next token (what "
+           "followed its last tokens earlier in the prompt or reply) in the row it pads with anyway; a right "
+           "guess gives two tokens from one step, and the output is the same either way (default on)",
+           is_bool=True),
     Option("default_max_tokens", "--default-max-tokens", "SKIPPY_DEFAULT_MAX_TOKENS", "default_max_tokens",
            _int(1), f"max_tokens of a chat request that sets none (default {DEFAULT_CHAT_MAX_TOKENS}, "
            "or what is left of the context if less)", "N"),
