@@ -36,11 +36,13 @@ QUESTIONS = (
 
 
 def chat_tokens(engine: Engine, question: str, context: int) -> list[int]:
-    system = engine.model.tokenize(f"<|im_start|>system\n{SYSTEM}\n")
+    system = f"<|im_start|>system\n{SYSTEM}"
+    turn = f"<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+    if not context:
+        return engine.model.tokenize(system + turn)
     document = Path(__file__).resolve().parent.parent / "docs" / "scheduling.md"
     prose = engine.tokenize(document.read_text(), add_special=False)[:context]
-    return system + prose + engine.model.tokenize(f"<|im_end|>\n<|im_start|>user\n{question}"
-                                                  "<|im_end|>\n<|im_start|>assistant\n")
+    return engine.model.tokenize(system + "\n") + prose + engine.model.tokenize(turn)
 
 
 def ms_per_token(engine: Engine, tokens: list[int], max_tokens: int) -> tuple[float, tuple[int, ...]]:
