@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--context", type=int, default=0, help="tokens of prose before each question")
     args = parser.parse_args()
-    engines = {on: Engine(EngineConfig(ctx_size=max(4096, 2 * (args.context + args.max_tokens + 256)), lanes=1, host_cache_bytes=0, deterministic=not args.fast,
+    ctx_size = max(4096, 2 * (args.context + args.max_tokens + 256))
+    engines = {on: Engine(EngineConfig(ctx_size=ctx_size, lanes=1, host_cache_bytes=0, deterministic=not args.fast,
                                        lookup_decoding=on)) for on in (True, False)}
     try:
         print(f"{'question':<44} {'off ms/tok':>10} {'on ms/tok':>10} {'on/off':>7} {'taken':>7}")

@@ -52,7 +52,8 @@ def read(path: Path) -> list[Request]:
             obj = json.loads(line)
             n = (obj["input_length"] - 1) // BLOCK
             ids = tuple(obj["hash_ids"])
-            out.append(Request(obj["timestamp"] / 1000, obj["input_length"], ids[:n], (*ids, obj["input_length"])))
+            length = obj["input_length"]
+            out.append(Request(obj["timestamp"] / 1000, length, ids[:n], (*ids, length)))
     return out
 
 

@@ -64,7 +64,9 @@ def taken_guesses(prompt: list[int], reply: list[int], max_tokens: int) -> list[
     return taken
 
 
-def test_guessed_tokens_are_a_plain_decodes_tokens_and_logprobs(exact_engine: Engine, plain_engine: Engine) -> None:
+def test_guessed_tokens_are_a_plain_decodes_tokens_and_logprobs(
+    exact_engine: Engine, plain_engine: Engine
+) -> None:
     request = GenerationRequest(tokens=chat(exact_engine, QUESTION), max_tokens=96, top_logprobs=3,
                                 record=False, lookup=False)
     before = exact_engine.stats()
@@ -110,13 +112,15 @@ def test_a_reply_that_stops_on_a_guessed_token_is_recorded_without_the_guessed_r
     assert done.finish_reason is FinishReason.STOP
     assert list(done.tokens) == reply[: len(done.tokens)] and len(done.tokens) == i + 1
     assert exact_engine.stats().guesses_taken > before
-    assert seen == [(done.stats.prompt_tokens + len(done.tokens) - 2, done.stats.prompt_tokens + len(done.tokens) - 1)]
+    decoded = done.stats.prompt_tokens + len(done.tokens) - 1  # the last token is never fed back
+    assert seen == [(decoded - 1, decoded)]
     # Every entry holds exactly the cells it books (the lane's guessed row went before the record).
     for entry in exact_engine.cache.tiers.resident.entries():
         assert exact_engine.pool.cells.pos_max(entry.seq_id) + 1 == entry.token_count
     assert exact_engine.invariant_failures == []
     # The next turn reuses the reply's state and continues as a cold run does, bit for bit.
-    follow = [*prompt, *done.tokens, *exact_engine.model.tokenize("<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n")]
+    follow = [*prompt, *done.tokens,
+              *exact_engine.model.tokenize("<|im_end|>\n<|im_start|>user\nWhy?<|im_end|>\n")]
     request = GenerationRequest(tokens=follow, max_tokens=24, keep_first_logits=True)
     warm, cold = exact_engine.generate(request), cold_engine.generate(request)
     assert warm.stats.cached_tokens > len(prompt)

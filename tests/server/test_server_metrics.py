@@ -128,8 +128,8 @@ def test_exact_mode_placement_in_metrics(exact_server: LiveServer) -> None:
         return f"{topic} test: " + " ".join(f"line {i} of a preamble long enough to tile." for i in range(24))
 
     client = exact_server.openai()
-    decoding = client.completions.create(model=exact_server.model_id, prompt=prompt("placement"), max_tokens=48,
-                                         stream=True)
+    decoding = client.completions.create(model=exact_server.model_id, prompt=prompt("placement"),
+                                         max_tokens=48, stream=True)
     next(iter(decoding))
     client.completions.create(model=exact_server.model_id, prompt=prompt("alignment"), max_tokens=2)
     list(decoding)  # to its end, so the lane is done before the counters are read

@@ -172,7 +172,8 @@ class Engine:
         # lanes run: steering.py).
         self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
                                      fill_tokens=config.fill_tokens, pad_seq=config.lanes,
-                                     lone_last=family.whole_entries, guess=config.lookup_decoding and family.any_prefix)
+                                     lone_last=family.whole_entries,
+                                     guess=config.lookup_decoding and family.any_prefix)
         # Placement pads are imported states of zeroed KV rows (steering.py), which attention and
         # sliding-window caches have; recurrent memories get grid-aligned chunks and lone prefill
         # steps, not steered cells.

@@ -241,7 +241,8 @@ class EngineCollector(Collector):
             "skippy_engine_steps": ("Engine steps (one llama_decode each)", s.steps),
             "skippy_engine_decode_failures": ("llama_decode calls that failed", s.decode_failures),
             "skippy_engine_lookup_guesses": (
-                "Lone decode steps that decoded a guessed next token in their spare row (prompt lookup)", s.guesses
+                "Lone decode steps that decoded a guessed next token in their spare row (prompt lookup)",
+                s.guesses,
             ),
             "skippy_engine_lookup_guesses_taken": (
                 "Of those, steps whose guess was the sampled token: two tokens from one step", s.guesses_taken
