@@ -14,10 +14,10 @@ from test_bench_smoke import TINY
 
 from skippy_cache.bench import BenchConfig, TargetSpec, bench
 from skippy_cache.bench.arrivals import arrival_times, read_trace
-from skippy_cache.bench.cli import add_arguments, config_from_args
+from skippy_cache.bench.cli import add_arguments, config_from_args, reference_label
 from skippy_cache.bench.curves import SLO, OpenRequest, open_goals, percentile, rate_point, saturation_rate
 from skippy_cache.bench.openloop import OPEN_WORKLOADS, OpenLoop
-from skippy_cache.bench.targets import LLAMA_SERVER_SPLIT, server_command
+from skippy_cache.bench.targets import LLAMA_SERVER_SPLIT, SKIPPY, Target, server_command
 
 
 def request(i: int, *, ok: bool = True, status: str = "ok", ttft: float | None = 100.0, total: float = 500.0,
@@ -118,6 +118,17 @@ def test_goals_hold_against_the_peer_with_the_best_goodput() -> None:
     # With `--no-skippy --url a=... --url fast=...` the reference is one of the URL targets: never its own peer.
     checks = {g.name: g for g in open_goals(points, "a", ["a", "fast"], None)}
     assert "tenants: best goodput vs fast" in checks and "tenants: best goodput vs a" not in checks
+
+
+def test_the_reference_is_the_skippy_cache_measured_not_a_peer() -> None:
+    peer = Target(LLAMA_SERVER_SPLIT, LLAMA_SERVER_SPLIT, "http://127.0.0.1:1")
+    old, new = Target("old", "url", "http://127.0.0.1:2"), Target("new", "url", "http://127.0.0.1:3")
+    ours = Target(SKIPPY, "skippy-cache", "http://127.0.0.1:4")
+    # `--no-skippy --url old=... --url new=... --peer llama-server-split` starts the peer first.
+    assert reference_label(parse("--no-skippy", "--url", "old=http://x"), [peer, old, new]) == "old"
+    assert reference_label(parse(), [peer, ours, old]) == SKIPPY
+    assert reference_label(parse("--reference", "new"), [peer, old, new]) == "new"
+    assert reference_label(parse("--no-skippy", "--peer", LLAMA_SERVER_SPLIT), [peer]) == LLAMA_SERVER_SPLIT
 
 
 def parse(*argv: str) -> BenchConfig:

@@ -254,7 +254,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reference",
         default=None,
-        help=f"label the ratios divide by (default: {SKIPPY}, else the first target)",
+        help=f"label the ratios and goals divide by (default: {SKIPPY}, else the first --url target, "
+             "else the first target)",
     )
 
 
@@ -400,7 +401,7 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
     recorded = run or replica_run
     assert recorded is not None, "config_from_args leaves at least one workload"
     labels = [t.label for t in targets]
-    reference = config.reference or (SKIPPY if SKIPPY in labels else labels[0] if labels else None)
+    reference = reference_label(config, targets)
     figs = figures(recorded.measurements, recorded.spans, labels, config.sizes, on_targets,
                    predicted=run.predicted if run else None)
     off = SKIPPY_OFF if SKIPPY_OFF in labels else None
@@ -450,6 +451,18 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
             console.print(f"  {m.workload}/{m.target}/{m.group}: {m.error}", highlight=False, markup=False)
     console.print(f"JSON: {json_path}\nPNG:  {png_path}\nsummary: {summary_path} (make docs renders it)")
     return BenchOutcome(json_path, png_path, summary_path, document)
+
+
+def reference_label(config: BenchConfig, targets: list[Target]) -> str | None:
+    """The target every ratio and goal is measured against: `--reference`, else the skippy-cache the
+    bench started, else the first `--url` target (with `--no-skippy` that is the skippy-cache being
+    measured; a peer the bench started is what it is compared with), else the first target."""
+    if config.reference:
+        return config.reference
+    labels = [t.label for t in targets]
+    if SKIPPY in labels:
+        return SKIPPY
+    return next((t.label for t in targets if t.kind == "url"), labels[0] if labels else None)
 
 
 def _run_header(config: BenchConfig, model: Path | None, reference: str | None,
@@ -565,7 +578,7 @@ def _open_bench(config: BenchConfig, plan: OpenLoop, specs: list[TargetSpec], mo
     targets, (run, records) = _measure_targets(config, specs, model, log_dir, console,
                                                lambda ts: _drive_open(config, plan, ts, stamp, console))
     labels = [t.label for t in targets]
-    reference = config.reference or (SKIPPY if SKIPPY in labels else labels[0])
+    reference = reference_label(config, targets) or labels[0]
     points = rate_points(records, plan.slo)
     off = SKIPPY_OFF if SKIPPY_OFF in labels else None
     peers = [t.label for t in targets if t.kind in PEER_KINDS or t.kind == "url"]
