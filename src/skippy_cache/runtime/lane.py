@@ -80,7 +80,7 @@ class Lane:
     #: Phase JOIN: the lane whose cells of positions [0, join_at) this one will share.
     leader: Lane | None = None
     join_at: int = 0
-    #: The guesses of the lane's lone decode steps (drafts.py), made on the first one.
+    #: The lookup behind the guesses of the lane's lone decode steps (drafts.py), built on the first.
     drafter: Drafter | None = None
     #: Which kernel computes each of the prompt's rows in deterministic mode (exact.py): fixed
     #: by the request, so worked out once, not on every step that plans the lane's chunks.
@@ -108,7 +108,6 @@ class Lane:
         """Everything but the last prompt token, which is decoded for the logits of the first token:
         in a decode step, or in deterministic mode with the prompt's last rows (batching.py)."""
         return len(self.handle.request.tokens) - 1
-
 
     def guess(self) -> int | None:
         """A guess at the token after `next_token` (drafts.py); the prompt's last `DRAFT_LOOKBACK`

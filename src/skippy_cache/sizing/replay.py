@@ -447,13 +447,13 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, *, count_from
         counted = request.timestamp >= count_from_ms
         hit = replicas[index].serve(prompt, figures if counted else ReplayFigures())
         router.served(index, prompt, request, hit, config)
-        keys, sizes = list(prompt.chunk_keys), prompt_sizes(prompt, config.block_tokens)
         if counted:
             figures.requests += 1
             figures.input_tokens += request.input_length
             figures.per_replica[index] += 1
-            figures.bound_hit_tokens += _hit(keys, prompt.tail_key, sizes, seen.__contains__)
-        seen.update(keys)
+            figures.bound_hit_tokens += _hit(prompt.chunk_keys, prompt.tail_key,
+                                             prompt_sizes(prompt, config.block_tokens), seen.__contains__)
+        seen.update(prompt.chunk_keys)
         seen.add(prompt.tail_key)
     return figures
 
@@ -477,7 +477,7 @@ def prompt_sizes(prompt: Prompt, block_tokens: int) -> list[int]:
     return [block_tokens] * len(prompt.chunk_keys) + [n - len(prompt.chunk_keys) * block_tokens]
 
 
-def _hit(keys: list[str], tail: str, sizes: list[int], held: Callable[[str], bool]) -> int:
+def _hit(keys: Sequence[str], tail: str, sizes: list[int], held: Callable[[str], bool]) -> int:
     """Tokens a lookup reuses when `held` says which keys are held: the run of chunks, the tail after all."""
     run = 0
     for key in keys:
