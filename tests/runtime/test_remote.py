@@ -91,6 +91,29 @@ def test_a_prompt_one_replica_computed_is_restored_by_another(replicas, redis_se
     assert b.stats().cache.counters.remote_restores == 2
 
 
+def test_a_prefix_used_again_is_renewed_on_the_server_in_the_caches_order(replicas, redis_server):
+    # The server evicts the nearest expiry first (volatile-ttl): a prompt's first chunk must expire
+    # last, and a prefix another request reuses (held here, so never written again) is renewed.
+    a, _ = replicas
+    client = redis_server.client()
+    prompt = make_tokens(a, 700, seed=7)
+    ask(a, prompt)
+    shared(a)
+    store = a.cache.store
+    assert store is not None and store.remote is not None
+    (page,) = [p for p in store._pages.values() if p.logits is not None]
+    first, second = (store.remote.name(k) for k in page.chunk_keys)
+    tail = store.remote.name(page.tail_key)
+    before = [client.pexpiretime(k) for k in (first, second, tail)]
+    assert before == sorted(before, reverse=True) and len(set(before)) == 3, before
+    time.sleep(1.1)
+    longer = prompt + make_tokens(a, 300, seed=8)
+    assert ask(a, longer).stats.cached_tokens >= 2 * CHUNK
+    shared(a)
+    after = [client.pexpiretime(k) for k in (first, second)]
+    assert after[0] > after[1] > before[0] + 1000, (before, after)  # renewed by the second use
+
+
 @pytest.mark.parametrize(
     ("prompt_tokens", "max_tokens", "chunks"),
     [

@@ -11,6 +11,7 @@ import redis
 
 from skippy_cache.chunks import Chunk, seal
 from skippy_cache.runtime.remote import Breaker, RemoteChunks, RemoteConfig, redact
+from skippy_cache.sharedorder import Turnover
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,6 +55,49 @@ def test_a_chunk_the_server_holds_is_not_sent_again(remote, redis_server):
     stats = remote.stats()
     assert (stats.writes, stats.present) == (1, 1)
     assert redis_server.client().ttl(remote.name(key(7))) > 5  # renewed, not rewritten
+
+
+def test_a_server_under_volatile_ttl_evicts_a_prompts_last_chunks_first(redis_server):
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "volatile-ttl")
+    client.config_set("maxmemory-samples", "10")  # every key sampled: the order exactly, not nearly
+    remote = RemoteChunks(RemoteConfig(url=redis_server.url, retry_s=0.1))
+    remote.turnover = Turnover(poll_s=0.0, min_evictions=1)
+    try:
+        a = [key(i) for i in range(4)]
+        for k, due in zip(a, remote.deadlines(4, reused=0, tail_repeat_only=True), strict=True):
+            assert remote.put(k, value(k, 200_000), due)
+        assert remote.flush(10)
+        ttls = [client.pttl(remote.name(k)) for k in a]
+        assert ttls == sorted(ttls, reverse=True) and len(set(ttls)) == 4, ttls  # first chunk last to go
+        used = client.info("memory")["used_memory"]
+        client.config_set("maxmemory", str(used + 300_000))  # room for one more chunk, not three
+        b = [key(i) for i in range(10, 13)]
+        for k in b:
+            assert remote.put(k, value(k, 200_000))
+            assert remote.flush(10)
+        held = [client.exists(remote.name(k)) == 1 for k in a]
+        assert held[0] and not held[-1], held  # A's tail went before its first chunk
+        stats = remote.stats()
+        assert client.info("stats")["evicted_keys"] > 0 and stats.turnover_s > 0, stats
+    finally:
+        remote.close()
+        client.config_set("maxmemory", "0")
+        client.config_set("maxmemory-policy", "noeviction")
+
+
+def test_a_chunk_this_process_holds_is_only_renewed(remote, redis_server):
+    remote.put(key(3), value(key(3)))
+    remote.put(key(4), None)  # held here, never written there: nothing to renew, nothing sent
+    remote.flush(10)
+    client = redis_server.client()
+    before = client.pttl(remote.name(key(3)))
+    (later,) = remote.deadlines(1, reused=1, tail_repeat_only=False)
+    remote.put(key(3), None, later + 60)
+    remote.flush(10)
+    assert client.pttl(remote.name(key(3))) > before + 50_000
+    assert not client.exists(remote.name(key(4)))
+    assert remote.stats().writes == 1
 
 
 def test_the_write_queue_drops_rather_than_grows(redis_server):
@@ -148,6 +192,7 @@ def test_a_cluster_spreads_the_chunks_over_its_nodes(redis_cluster):
         assert all(n > 0 for n in redis_cluster.keys_per_node()), redis_cluster.keys_per_node()
         assert chunks.present([*keys, key(99)]) == [True] * 30 + [False]
         assert chunks.fetch(keys[:10]) == [value(k) for k in keys[:10]]
+        assert chunks._server_counts() == (0, 30)  # summed over the cluster's primaries
     finally:
         chunks.close()
 

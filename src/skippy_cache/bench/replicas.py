@@ -142,10 +142,11 @@ class RedisServer:
 
 
 def redis_command(binary: Path, port: int, workdir: Path, maxmemory: str = REDIS_MAXMEMORY) -> list[str]:
-    """How the workload runs Redis: nothing saved to disk, loopback only, LRU eviction past `maxmemory`."""
+    """How the workload runs Redis: nothing saved to disk, loopback only, past `maxmemory` the nearest expiry
+    time goes first (the replicas set it in the cache's eviction order: sharedorder.py)."""
     return [
         str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-        "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--dir", str(workdir),
+        "--maxmemory", maxmemory, "--maxmemory-policy", "volatile-ttl", "--dir", str(workdir),
     ]
 
 

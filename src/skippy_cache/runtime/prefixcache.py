@@ -168,6 +168,9 @@ class PrefixCache:
         #: Resident pages' tenants (`GenerationRequest.tenant`): counted, cleared and held to a
         #: share of the pool per tenant.
         self._owners: dict[PageId, str | None] = {}
+        #: Leading tokens the request that recorded each entry reused (its hit): the shared tier keeps
+        #: those chunks longer (sharedorder.py).
+        self._hit_tokens: dict[PageId, int] = {}
         #: Resident pages whose request limits where they may go (`GenerationRequest.keep`); others: anywhere.
         self._keep: dict[PageId, Keep] = {}
         #: Past this many tokens in its entries, a tenant's entries leave the pool first (0: no share).
@@ -487,6 +490,7 @@ class PrefixCache:
         self.tiers.file(prefix.page_id, lane.space, entry_tokens, lane.kernels if self.deterministic else None)
         self._entries[prefix.page_id] = (lane.space, entry_tokens)
         self._owners[prefix.page_id] = lane.request.tenant
+        self._hit_tokens[prefix.page_id] = lane.cached_tokens
         if lane.request.keep is not Keep.ALL:
             self._keep[prefix.page_id] = lane.request.keep
         self._book_recorded(lane.space, lane.request, entry_tokens)
@@ -509,7 +513,7 @@ class PrefixCache:
             return  # a prefix shorter than the lane (an off-grid end) would need a partial export
         kernels = lane.kernels if self.deterministic else None
         if self._put(prefix.page_id, lane.space, tokens, lane.seq_id, logits, durable=False, kernels=kernels,
-                     owner=lane.request.tenant, keep=keep):
+                     owner=lane.request.tenant, keep=keep, reused=lane.cached_tokens):
             self.tiers.file(prefix.page_id, lane.space, tokens, kernels)
             self._book_recorded(lane.space, lane.request, tokens)
         self._forget_store_pages(store.prune())
@@ -779,7 +783,8 @@ class PrefixCache:
             return
         space, tokens = self._entries[page_id]
         self._put(page_id, space, tokens, seq_id, self.tiers.logits.get(page_id), durable=page_id in self._reused,
-                  kernels=self.tiers.kernels.get(page_id), owner=self._owners.get(page_id), keep=keep)
+                  kernels=self.tiers.kernels.get(page_id), owner=self._owners.get(page_id), keep=keep,
+                  reused=self._hit_tokens.get(page_id, 0))
         self._forget_store_pages(store.prune())
 
     def _put(
@@ -794,13 +799,14 @@ class PrefixCache:
         kernels: Kernels | None,
         owner: str | None,
         keep: Keep,
+        reused: int = 0,
     ) -> bool:
         """Export `seq_id`'s state to the store as `page_id`; counted as a demotion, or as a drop when the
         store's writer is too far behind to take it."""
         assert self.store is not None
         queued = self.store.put(page_id, space, tokens, self.pool.export(seq_id),
                                 logits.tobytes() if logits is not None else None, durable=durable,
-                                kernels=kernels, owner=owner, local=keep is Keep.RAM)
+                                kernels=kernels, owner=owner, local=keep is Keep.RAM, reused=reused)
         if queued:
             self.counters.demotions += 1
         else:
@@ -846,6 +852,7 @@ class PrefixCache:
         for eviction in evictions:
             entry = self._entries.pop(eviction.page_id, None)
             self._owners.pop(eviction.page_id, None)
+            self._hit_tokens.pop(eviction.page_id, None)
             self._keep.pop(eviction.page_id, None)
             if entry is not None:
                 self.misses.left(self._booked_ids(*entry).values(), now)

@@ -8,8 +8,13 @@ and two tenants never share a key. Values are the sealed chunks, BLAKE3
 digest included; every value read is verified before it is imported, and one
 that fails is a miss (counted as `rejected`), never imported.
 
-The server evicts: run it with `maxmemory` and `allkeys-lru` (or LFU), and
-every key gets a TTL (`ttl_s`, renewed by each read). A chunk missing in the
+The server evicts: run it with `maxmemory` and `maxmemory-policy volatile-ttl`.
+Every use of a chunk sets its expiry time from the cache's eviction order
+(sharedorder.py): about `ttl_s` ahead, longer for a chunk used again, and never
+before a later chunk of the same prompt, so a server that evicts the nearest
+expiry first evicts in that order. The writer reads the server's eviction
+counters every few seconds for the order's time scale. Under `allkeys-lru` the
+expiry times are only TTLs and the server evicts by LRU. A chunk missing in the
 middle of a run ends the run.
 
 Threads: nothing here runs on the engine thread. Reads run on the caller's
@@ -41,6 +46,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.retry import Retry
 
+from skippy_cache.sharedorder import Turnover, deadlines
 from skippy_cache.stateformat import FORMAT_VERSION
 
 log = logging.getLogger("skippy_cache.remote")
@@ -61,7 +67,7 @@ class RemoteConfig:
     url: str = field(repr=False)
     #: Overrides a password in the URL (read from `--remote-cache-password-file`).
     password: str | None = field(default=None, repr=False)
-    #: Seconds a key lives unless read again (each read renews it).
+    #: Seconds a key lives unless used again (each use renews it; sharedorder.py).
     ttl_s: int = 24 * 3600
     #: Connect and lookup timeout: a lookup waits this long at most before it is a miss.
     timeout_ms: float = 50.0
@@ -102,6 +108,8 @@ class RemoteStats:
     #: Round trips per `RTT_BUCKETS` bucket (not cumulative; one more for the rest), their sum in seconds.
     rtt_counts: tuple[int, ...]
     rtt_sum: float
+    #: The server's turnover (keys held over keys evicted per second; 0 until it evicts), seconds.
+    turnover_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +216,8 @@ class RemoteChunks:
         self._clients: dict[float, redis.Redis | RedisCluster] = {}
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        self._queue: deque[tuple[str, bytes]] = deque()
+        #: (key, sealed value or None to renew only, expiry time in Unix seconds).
+        self._queue: deque[tuple[str, bytes | None, float]] = deque()
         self._queued: set[str] = set()
         self._pending_bytes = 0
         self._busy = False
@@ -218,6 +227,7 @@ class RemoteChunks:
              "writes", "present", "dropped", "errors"), 0)
         self._rtt = [0] * (len(RTT_BUCKETS) + 1)
         self._rtt_sum = 0.0
+        self.turnover = Turnover()
         self._writer = threading.Thread(target=self._write_loop, name="skippy-remote-writer", daemon=True)
         self._writer.start()
 
@@ -252,6 +262,13 @@ class RemoteChunks:
         """The server's key for chunk `key`."""
         return self._prefix + key
 
+    def deadlines(self, n_keys: int, *, reused: int, tail_repeat_only: bool) -> list[float]:
+        """Expiry times (Unix seconds) of a prompt's keys used now (sharedorder.py)."""
+        with self._lock:
+            turnover = self.turnover.value
+        return deadlines(time.time(), n_keys, reused=reused, tail_repeat_only=tail_repeat_only,
+                         turnover=turnover, ttl=self.config.ttl_s)
+
     # -- reads (the caller's thread) -------------------------------------------------------
 
     def present(self, keys: Sequence[str]) -> list[bool] | None:
@@ -266,7 +283,8 @@ class RemoteChunks:
         return None if answers is None else [bool(n) for n in answers]
 
     def fetch(self, keys: Sequence[str]) -> list[bytes | None] | None:
-        """The values of `keys` (None where the server has none), each key's TTL renewed; None on failure.
+        """The values of `keys` (None where the server has none), each key renewed as a chunk used again;
+        None on failure.
 
         The values are NOT verified here: the caller unseals each before use
         and reports a failure with `rejected`.
@@ -276,8 +294,9 @@ class RemoteChunks:
         if not self.breaker.allow():
             self._count(lookups_skipped=1)
             return None
+        (due,) = self.deadlines(1, reused=1, tail_repeat_only=False)
         values = self._round_trip(self.config.transfer_timeout_ms,
-                                  [("getex", self.name(key), {"ex": self.config.ttl_s}) for key in keys])
+                                  [("getex", self.name(key), {"pxat": _ms(due)}) for key in keys])
         if values is None:
             return None
         found = [v for v in values if v is not None]
@@ -295,21 +314,28 @@ class RemoteChunks:
 
     # -- writes (any thread queues; the writer sends) --------------------------------------
 
-    def put(self, key: str, value: bytes, *, first: bool = False) -> bool:
-        """Queue a sealed chunk for the server (`first`: ahead of what is queued); False (dropped) if
-        the queue is full or the tier is down."""
+    def put(
+        self, key: str, value: bytes | None, deadline: float | None = None, *, first: bool = False
+    ) -> bool:
+        """Queue a sealed chunk for the server, to expire at `deadline` (Unix seconds; default: a new
+        chunk's, `ttl_s` ahead; `first`: ahead of what is queued). With `value` None the chunk is only
+        renewed if the server holds it (this process holds it already and sends no bytes). False
+        (dropped) if the queue is full or the tier is down."""
+        if deadline is None:
+            (deadline,) = self.deadlines(1, reused=0, tail_repeat_only=False)
+        size = len(value) if value is not None else 0
         with self._cv:
             if key in self._queued:
                 return True
-            if not self.breaker.up or self._pending_bytes + len(value) > self.config.max_pending_bytes:
+            if not self.breaker.up or self._pending_bytes + size > self.config.max_pending_bytes:
                 self._counts["dropped"] += 1
                 return False
             if first:
-                self._queue.appendleft((key, value))
+                self._queue.appendleft((key, value, deadline))
             else:
-                self._queue.append((key, value))
+                self._queue.append((key, value, deadline))
             self._queued.add(key)
-            self._pending_bytes += len(value)
+            self._pending_bytes += size
             self._cv.notify()
         return True
 
@@ -331,39 +357,71 @@ class RemoteChunks:
                 self._cv.wait_for(lambda: self._queue or self._closing)
                 if not self._queue:
                     return
-                batch: list[tuple[str, bytes]] = []
+                batch: list[tuple[str, bytes | None, float]] = []
                 while self._queue and len(batch) < _BATCH_CHUNKS:
                     batch.append(self._queue.popleft())
                 self._busy = True
             try:
                 self._send(batch)
+                self._poll_turnover()
             finally:
                 with self._cv:
-                    for key, value in batch:
+                    for key, value, _ in batch:
                         self._queued.discard(key)
-                        self._pending_bytes -= len(value)
+                        self._pending_bytes -= len(value) if value is not None else 0
                     self._busy = False
                     self._cv.notify_all()
 
-    def _send(self, batch: list[tuple[str, bytes]]) -> None:
-        """Write a batch: one round trip asks which keys the server holds (their TTL renewed), one sends the rest."""
+    def _send(self, batch: list[tuple[str, bytes | None, float]]) -> None:
+        """Write a batch: one round trip renews the keys the server holds (and says which), one sends
+        the values of the rest."""
         if not self.breaker.allow():
             self._count(dropped=len(batch))
             return
         held = self._round_trip(self.config.transfer_timeout_ms,
-                                [("expire", self.name(key), self.config.ttl_s) for key, _ in batch])
+                                [("pexpireat", self.name(key), _ms(due)) for key, _, due in batch])
         if held is None:
             self._count(dropped=len(batch))
             return
-        missing = [(key, value) for (key, value), renewed in zip(batch, held, strict=True) if not renewed]
-        self._count(present=len(batch) - len(missing))
+        missing = [(key, value, due) for (key, value, due), renewed in zip(batch, held, strict=True)
+                   if not renewed and value is not None]
+        self._count(present=sum(1 for (_, value, _), renewed in zip(batch, held, strict=True)
+                                if renewed and value is not None))
         if not missing:
             return
-        sets = [("set", self.name(key), value, {"ex": self.config.ttl_s}) for key, value in missing]
+        sets = [("set", self.name(key), value, {"pxat": _ms(due)}) for key, value, due in missing]
         if self._round_trip(self.config.transfer_timeout_ms, sets) is None:
             self._count(dropped=len(missing))
             return
-        self._count(writes=len(missing), bytes_out=sum(len(v) for _, v in missing))
+        self._count(writes=len(missing), bytes_out=sum(len(v) for _, v, _ in missing))
+
+    def _poll_turnover(self) -> None:
+        """Every `Turnover.poll_s`, read the server's count of evicted keys and of keys held."""
+        now = time.monotonic()
+        with self._lock:
+            if not self.turnover.due(now):
+                return
+        counts = self._server_counts()
+        if counts is None:
+            return
+        with self._lock:
+            self.turnover.observe(now, *counts)
+
+    def _server_counts(self) -> tuple[int, int] | None:
+        """(keys evicted since the server started, keys held), summed over a cluster's primaries."""
+        try:
+            client = self._client(self.config.timeout_ms)
+            if isinstance(client, RedisCluster):
+                stats = client.info("stats", target_nodes=RedisCluster.PRIMARIES)
+                evicted = sum(int(node["evicted_keys"]) for node in stats.values())
+                keys = client.dbsize(target_nodes=RedisCluster.PRIMARIES)
+            else:
+                evicted = int(client.info("stats")["evicted_keys"])
+                keys = client.dbsize()
+        except (redis.RedisError, OSError, KeyError, TypeError, ValueError) as exc:
+            log.debug("remote cache: no eviction counters: %s", exc)
+            return None
+        return evicted, int(keys)
 
     # -- books -----------------------------------------------------------------------------
 
@@ -397,7 +455,8 @@ class RemoteChunks:
     def stats(self) -> RemoteStats:
         with self._lock:
             return RemoteStats(url=self.url, up=self.breaker.up, pending_bytes=self._pending_bytes,
-                               rtt_counts=tuple(self._rtt), rtt_sum=self._rtt_sum, **self._counts)
+                               rtt_counts=tuple(self._rtt), rtt_sum=self._rtt_sum,
+                               turnover_s=self.turnover.value, **self._counts)
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued (up to `timeout`), stop the writer, close the connections."""
@@ -412,3 +471,8 @@ class RemoteChunks:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             client.close()
+
+
+def _ms(seconds: float) -> int:
+    """Unix seconds as the milliseconds PXAT and PEXPIREAT take."""
+    return int(seconds * 1000)

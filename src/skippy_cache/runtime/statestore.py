@@ -93,6 +93,9 @@ class Page:
     nbytes: int = 0
     #: Kept in this process's RAM only: never written to disk or to the shared tier.
     local: bool = False
+    #: Leading tokens the request that recorded it reused rather than computed (the shared tier
+    #: keeps the chunks of a prefix used again longer: sharedorder.py).
+    reused: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,10 +236,12 @@ class StateStore:
         kernels: Kernels | None = None,
         owner: str | None = None,
         local: bool = False,
+        reused: int = 0,
     ) -> bool:
         """Queue an entry's exported state for the writer (`durable`: to disk too); False when the writer
         is too far behind. `kernels`: those of the prompt that computed it (deterministic mode);
-        `owner`: the tenant that recorded it; `local`: RAM only, whatever `durable` says."""
+        `owner`: the tenant that recorded it; `local`: RAM only, whatever `durable` says; `reused`:
+        leading tokens its request reused."""
         n = len(tokens)
         assert isinstance(space, IdentityKey)
         n_chunks = (n - 1) // self.chunk_tokens
@@ -247,7 +252,7 @@ class StateStore:
             ends.append(n)
         keys = self._chunk_keys(self.identities_at(space, tokens, ends, kernels))
         tail = keys.pop() if logits is None else tail_key(page_id, self.layout_id)
-        page = Page(n, tuple(keys), tail, logits, durable and not local, owner, len(payload), local)
+        page = Page(n, tuple(keys), tail, logits, durable and not local, owner, len(payload), local, reused)
         with self._cv:
             if self._pending_bytes + len(payload) > self.max_pending_bytes:
                 return False
@@ -702,13 +707,22 @@ class StateStore:
             pieces = split(state, self.chunk_tokens)
         assert len(pieces) == len(page.chunk_keys) + 1, "the tail is the last piece"
         names = [*page.chunk_keys, page.tail_key]
-        ahead: list[tuple[str, bytes]] = []
+        due = self._deadlines(page)
+        ahead: list[tuple[str, bytes | None, float]] = []
         for i, (key, rows) in enumerate(zip(names, pieces, strict=True)):
             logits = page.logits if key == page.tail_key else None
             tokens = page.token_count - i * self.chunk_tokens if key == page.tail_key else self.chunk_tokens
             with self._cv:
-                if self.chunks.share(key, len(rows)):
-                    continue  # held already: counted as shared, nothing to write
+                held = self.chunks.share(key, len(rows))  # held already: counted as shared, nothing to store
+            if held:
+                # The shared tier's copy, if any, is renewed: this use sets its place in the order.
+                if page.local or self.remote is None:
+                    continue
+                if urgent:
+                    ahead.append((key, None, due[i]))
+                else:
+                    self.remote.put(key, None, due[i])
+                continue
             # Sealing (BLAKE3) and the disk write run without the lock: a slow disk
             # delays this thread, never a plan or a restore on the engine thread.
             value = seal(Chunk(key, tokens, rows, logits))
@@ -726,14 +740,22 @@ class StateStore:
             if page.local:
                 continue
             if urgent:
-                ahead.append((key, value))
+                ahead.append((key, value, due[i]))
             elif self.remote is not None:
-                self.remote.put(key, value)
+                self.remote.put(key, value, due[i])
         if urgent:
             # Queued ahead of everything in chunk order, so a lookup meanwhile finds a run from the start.
-            for key, value in reversed(ahead):
-                self.remote.put(key, value, first=True)
+            for key, value, deadline in reversed(ahead):
+                self.remote.put(key, value, deadline, first=True)
             self._wait_shared(page)
+
+    def _deadlines(self, page: Page) -> list[float]:
+        """The shared tier's expiry times for the page's chunks and tail (empty: no shared tier, or local)."""
+        if self.remote is None or page.local:
+            return []
+        n = len(page.chunk_keys)
+        reused = min(page.reused // self.chunk_tokens, n) + (page.reused >= page.token_count)
+        return self.remote.deadlines(n + 1, reused=reused, tail_repeat_only=page.logits is not None)
 
     def _wait_shared(self, page: Page) -> None:
         """Until the shared tier has the page's chunks: those held here already may still be on their

@@ -308,6 +308,10 @@ def _remote_metrics(remote: RemoteStats | None) -> Iterator[Metric]:
                             value=int(remote.up))
     yield GaugeMetricFamily("skippy_remote_pending_bytes", "Chunk bytes waiting to be written to the shared tier",
                             value=remote.pending_bytes)
+    yield GaugeMetricFamily("skippy_remote_turnover_seconds",
+                            "The shared tier's turnover: keys held over keys evicted per second "
+                            "(0 until it evicts)",
+                            value=remote.turnover_s)
     counters = {
         "skippy_remote_lookups": ("Prompts looked up on the shared tier", remote.lookups),
         "skippy_remote_lookups_skipped": ("Lookups skipped while the shared tier was down", remote.lookups_skipped),

@@ -20,6 +20,7 @@ from skippy_cache.sizing.replay import (
     belady,
     replay,
 )
+from skippy_cache.sizing.sharedtier import ServerPolicy
 from skippy_cache.sizing.trace import BLOCK_TOKENS, TraceError, TraceRequest, read_trace
 from skippy_cache.tiers import Source
 
@@ -58,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--model", type=Path, help="a GGUF model whose KV size per token turns tokens into bytes "
                     "(default: SmolLM2-135M-Instruct, the server's default model)")
     p.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.LRFU.value,
-                   help="eviction policy of the RAM and disk tiers (default lrfu; the shared tier is LRU, as Redis)")
+                   help="eviction policy of the RAM and disk tiers (default lrfu)")
+    p.add_argument("--remote-policy", choices=[x.value for x in ServerPolicy],
+                   default=ServerPolicy.VOLATILE_TTL.value,
+                   help="the shared tier's maxmemory-policy (default volatile-ttl: it evicts in the "
+                   "replicas' LRFU order; allkeys-lru: by LRU)")
     p.add_argument("--replicas", type=int, default=1, help="servers, each with the tiers above (default 1)")
     p.add_argument("--routing", choices=[r.value for r in Routing], default=Routing.ROUND_ROBIN.value,
                    help="which replica serves a request (default round-robin)")
@@ -167,6 +172,7 @@ class Report:
     block_tokens: int
     kv_bytes_per_token: int
     policy: str
+    remote_policy: str
     replicas: int
     routing: str
     ram_bytes: int
@@ -194,7 +200,8 @@ def report(args: argparse.Namespace, config: ReplayConfig, figures: ReplayFigure
     return Report(
         trace=str(args.trace), requests=figures.requests, input_tokens=figures.input_tokens,
         block_tokens=config.block_tokens, kv_bytes_per_token=config.kv_bytes_per_token, policy=config.policy.value,
-        replicas=config.replicas, routing=config.routing.value, ram_bytes=caps.ram_bytes, disk_bytes=caps.disk_bytes,
+        remote_policy=config.remote_policy.value, replicas=config.replicas, routing=config.routing.value,
+        ram_bytes=caps.ram_bytes, disk_bytes=caps.disk_bytes,
         remote_bytes=caps.remote_bytes, resident_tokens=caps.resident_tokens,
         hit_ratio={s.value: round(figures.ratio(s.value), 6) for s in Source if s is not Source.NONE},
         hit_ratio_total=round(figures.ratio(), 6), infinite_cache_bound=round(bound, 6),
@@ -295,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--prefill-rate and --decode-rate must be positive")
         config = ReplayConfig(Capacities(cap(args.ram), cap(args.disk), cap(args.remote), resident), kv,
                               args.block_tokens, Policy(args.policy), args.replicas, Routing(args.routing),
-                              prefill_rate, args.decode_rate)
+                              prefill_rate, args.decode_rate, ServerPolicy(args.remote_policy))
     except (UsageError, TraceError) as exc:
         print(f"skippy-cache replay: error: {exc}", file=sys.stderr)
         return 2

@@ -9,9 +9,10 @@ Each replica is the serving path's core with no model under it:
 - chunks are named as the state store names them (`chunk_key` / `tail_key` of the
   prefix identity at the chunk's end), from synthetic tokens (trace.py), so two
   requests share a chunk exactly when the trace says they share its blocks;
-- the shared tier is one more `ChunkStore` (RAM only, LRU: a Redis or Valkey server
-  evicts by approximate LRU), written with every new entry and read past the end of the
-  local run before the plan, as `StateStore` does with a live shared tier.
+- the shared tier is a model of a Redis or Valkey server (sharedtier.py), driven as
+  `StateStore` drives a live one: read past the end of the local run before the plan,
+  and after it every chunk of the request's entry renewed or written, with the
+  expiry times `sharedorder.deadlines` gives.
 
 A lookup finds the store's chunks by name, as a server finds them after a
 restart or another replica's: hits from the store come in whole chunks, the
@@ -38,6 +39,7 @@ from skippy_cache.diskchunks import DiskChunks
 from skippy_cache.eviction import Policy
 from skippy_cache.identity import IdentityKey, PageId, PrefixHasher, PrefixIdentity
 from skippy_cache.resident import ResidentEviction, ResidentPrefixCache
+from skippy_cache.sizing.sharedtier import ServerPolicy, SharedTier
 from skippy_cache.sizing.trace import BLOCK_TOKENS, SyntheticTokens, TraceRequest
 from skippy_cache.tiers import CacheTiers, Query, Source
 
@@ -81,6 +83,8 @@ class ReplayConfig:
     #: Tokens per second a replica prefills and decodes (least-loaded routing's estimate of queued work).
     prefill_rate: float = 1000.0
     decode_rate: float = 50.0
+    #: How the shared tier's server evicts (its `maxmemory-policy`).
+    remote_policy: ServerPolicy = ServerPolicy.VOLATILE_TTL
 
 
 @dataclass(slots=True)
@@ -256,7 +260,7 @@ def _source(tier: Tier | None) -> Source:
 class Replica:
     """One server's tiers, driven request by request."""
 
-    def __init__(self, config: ReplayConfig, clock: Callable[[], float], shared: ChunkStore | None) -> None:
+    def __init__(self, config: ReplayConfig, clock: Callable[[], float], shared: SharedTier | None) -> None:
         self.config = config
         caps = config.capacities
         c = config.block_tokens
@@ -284,7 +288,8 @@ class Replica:
             _count(figures, Source.RESIDENT, hit.length)
         elif hit.length:
             self._read(prompt, hit.length, hit.whole, remote_keys, figures)
-        self._record(prompt, figures)
+        if self._record(prompt) and self.shared is not None:
+            self._share(prompt, hit.length, hit.whole, figures)
         return hit.length
 
     def _read(self, prompt: Prompt, length: int, whole: bool, remote: set[str], figures: ReplayFigures) -> None:
@@ -312,9 +317,9 @@ class Replica:
         for key in [*prompt.chunk_keys[local:], prompt.tail_key]:
             if key == prompt.tail_key and key in self.chunks:
                 break  # held here already
-            value = self.shared.ram_value(key) if self.shared.get(key) is not None else None
-            if value is None:
+            if not self.shared.fetch(key):
                 break  # a missing chunk ends the run; the tail serves only after every chunk before it
+            value: bytes = Placeholder(self.shared.size(key))  # type: ignore[assignment]
             if not self.chunks.adopt(key, value, parent=parent, tail=key == prompt.tail_key):
                 break
             figures.remote_read_bytes += len(value)
@@ -322,16 +327,24 @@ class Replica:
             parent = key
         return fetched
 
-    def _record(self, prompt: Prompt, figures: ReplayFigures) -> None:
+    def _record(self, prompt: Prompt) -> bool:
         """Keep the request's state: in the pool when there is a resident tier (its chunks go to the store
-        when it leaves), else straight into the store; and to the shared tier at once."""
+        when it leaves), else straight into the store. False when it is kept nowhere."""
         if self.config.capacities.resident_tokens > 0:
-            if not self._record_resident(prompt):
-                return
-        else:
-            self._write(prompt, self.chunks)
-        if self.shared is not None:
-            figures.remote_written_bytes += self._write(prompt, self.shared)
+            return self._record_resident(prompt)
+        self._write(prompt, self.chunks)
+        return True
+
+    def _share(self, prompt: Prompt, hit: int, whole: bool, figures: ReplayFigures) -> None:
+        """The entry's chunks to the shared tier at once, as a server sends a new entry's: the ones it
+        holds renewed, the others written."""
+        assert self.shared is not None
+        c = self.config.block_tokens
+        per_token = self.config.kv_bytes_per_token
+        reused = min(hit // c, len(prompt.chunk_keys)) + whole
+        figures.remote_written_bytes += self.shared.use(
+            [*prompt.chunk_keys, prompt.tail_key], [n * per_token for n in prompt_sizes(prompt, c)],
+            reused=reused, tail_repeat_only=True)
 
     def _record_resident(self, prompt: Prompt) -> bool:
         """Record the prompt in the pool, or in the store when it is longer than the pool's budget (as a
@@ -431,8 +444,7 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, *, count_from
         return now[0]
 
     caps = config.capacities
-    # The shared tier: RAM only, LRU, as a Redis or Valkey server with `allkeys-lru` evicts.
-    shared = ReplayChunks(caps.remote_bytes, None, policy=Policy.LRU, clock=clock) if caps.remote_bytes > 0 else None
+    shared = SharedTier(caps.remote_bytes, config.remote_policy, clock) if caps.remote_bytes > 0 else None
     replicas = [Replica(config, clock, shared) for _ in range(config.replicas)]
     router = Router(config.routing, replicas)
     prompts = Prompts(config.block_tokens)
