@@ -113,4 +113,5 @@ def test_the_default_models_kv_size_per_token() -> None:
 def test_the_prefill_rate_is_measured_here_by_default(trace: Path) -> None:
     out = run(str(trace), "--block-tokens", "16", "--json")
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["prefill_rate_tokens_per_s"] > 100
+    # Measured, so any positive rate: a bound near this machine's rate failed under a parallel test run.
+    assert json.loads(out.stdout)["prefill_rate_tokens_per_s"] > 1

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from skippy_cache.eviction import LruBooks
 from skippy_cache.sharedorder import Turnover, deadlines
 
 #: Seconds a key lives unless used again (`RemoteConfig.ttl_s`).
@@ -42,25 +42,28 @@ class SharedTier:
         self.ttl = ttl
         self.turnover = Turnover()
         self.evicted = 0
-        self.bytes = 0
-        #: key -> size, in LRU order (allkeys-lru).
-        self._sizes: OrderedDict[str, int] = OrderedDict()
+        #: key -> size, in LRU order (allkeys-lru evicts by it).
+        self._books = LruBooks()
         #: key -> its expiry time, and a heap of them, stale pairs skipped (volatile-ttl).
         self._deadline: dict[str, float] = {}
         self._heap: list[tuple[float, str]] = []
 
     def __contains__(self, key: object) -> bool:
-        return key in self._sizes
+        return key in self._books
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return len(self._books)
+
+    @property
+    def bytes(self) -> int:
+        return self._books.bytes
 
     def size(self, key: str) -> int:
-        return self._sizes[key]
+        return self._books.size(key)
 
     def fetch(self, key: str) -> bool:
         """A replica reads a key (`GETEX ... PXAT`, a second use): whether the server held it."""
-        if key not in self._sizes:
+        if key not in self._books:
             return False
         now = self._poll()
         (deadline,) = deadlines(now, 1, reused=1, tail_repeat_only=False, turnover=self.turnover.value,
@@ -77,11 +80,10 @@ class SharedTier:
                         turnover=self.turnover.value, ttl=self.ttl)
         written = 0
         for key, size, deadline in zip(keys, sizes, due, strict=True):
-            if key in self._sizes:
+            if key in self._books:
                 self._renew(key, deadline)
             elif self._make_room(size):
-                self._sizes[key] = size
-                self.bytes += size
+                self._books.add(key, size)
                 self._renew(key, deadline)
                 written += size
         return written
@@ -89,11 +91,11 @@ class SharedTier:
     def _poll(self) -> float:
         now = self.clock()
         if self.turnover.due(now):
-            self.turnover.observe(now, self.evicted, len(self._sizes))
+            self.turnover.observe(now, self.evicted, len(self._books))
         return now
 
     def _renew(self, key: str, deadline: float) -> None:
-        self._sizes.move_to_end(key)
+        self._books.touch(key)
         if self.policy is ServerPolicy.VOLATILE_TTL:
             self._deadline[key] = deadline
             heapq.heappush(self._heap, (deadline, key))
@@ -112,13 +114,12 @@ class SharedTier:
 
     def _evict_one(self) -> None:
         if self.policy is ServerPolicy.ALLKEYS_LRU:
-            key, size = self._sizes.popitem(last=False)
+            self._books.evict()
         else:
             while True:
                 deadline, key = heapq.heappop(self._heap)
                 if self._deadline.get(key) == deadline:
                     break
             del self._deadline[key]
-            size = self._sizes.pop(key)
-        self.bytes -= size
+            self._books.remove(key)
         self.evicted += 1
