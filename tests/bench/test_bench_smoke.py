@@ -180,6 +180,13 @@ def test_cli_options_map_to_config() -> None:
     ]
     assert config.workloads == ["warm", "zero"]  # the order, whatever order was asked
     assert config.sizes.warm_repeats == 4 and config.ctx_size == 8192
+    assert config.sizes.zero_blocks == 2
+    six = config_from_args(parser.parse_args(["--workloads", "zero", "--zero-blocks", "6"]))
+    assert six.sizes.zero_blocks == 6
+    for wrong in (["--workloads", "zero", "--zero-blocks", "3"],
+                  ["--workloads", "warm", "--zero-blocks", "4"]):
+        with pytest.raises(ValueError, match="--zero-blocks"):
+            config_from_args(parser.parse_args(wrong))
     with pytest.raises(ValueError, match="unknown"):
         config_from_args(parser.parse_args(["--workloads", "warm,nope"]))
     with pytest.raises(ValueError, match="nothing to measure"):

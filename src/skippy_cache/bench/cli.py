@@ -194,6 +194,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=FULL.trace_block_tokens, metavar="N",
                         help="--workloads trace: tokens each 512-token block of the trace becomes, a multiple of "
                         f"{ALIGN}; skippy-cache is started with --chunk-tokens N (default {FULL.trace_block_tokens})")
+    parser.add_argument("--zero-blocks", type=int, default=None, metavar="N",
+                        help="the zero workload: blocks of requests per target, an even number, the targets' "
+                        f"order reversed every block (default {FULL.zero_blocks}); more blocks resolve a "
+                        "smaller cost of the cache")
     parser.add_argument("--time-scale", type=float, default=None, metavar="S",
                         help="--workloads trace: send each request at its trace time times S, without waiting "
                         "for the answers before it (default: one at a time, in trace order)")
@@ -321,6 +325,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if TRACE not in workloads and (args.block_tokens != FULL.trace_block_tokens or args.time_scale is not None):
         raise ValueError("--block-tokens and --time-scale are the trace workload's (--workloads trace)")
     sizes = replace(sizes, trace_block_tokens=args.block_tokens, trace_time_scale=args.time_scale)
+    if args.zero_blocks is not None:
+        # An even count: each target runs first in as many blocks as last, so drift falls on all alike.
+        if args.zero_blocks < 2 or args.zero_blocks % 2:
+            raise ValueError("--zero-blocks must be an even number, 2 or more")
+        if "zero" not in workloads:
+            raise ValueError("--zero-blocks is the zero workload's (--workloads zero)")
+        sizes = replace(sizes, zero_blocks=args.zero_blocks)
     if AGENT in workloads and args.ctx_size < sizes.agent_context:
         raise ValueError(f"--workloads agent: {sizes.agents} agents' histories need --ctx-size "
                          f"{sizes.agent_context} or more on a server whose slots share no cells "
