@@ -29,6 +29,13 @@ from collections import deque
 STEP_S = 0.001
 
 
+def reused_keys(reused_tokens: int, n_chunks: int, chunk_tokens: int, *, whole: bool) -> int:
+    """How many of a prompt's keys (its `n_chunks` chunks, then its tail) a use found rather than
+    produced, when it reused the first `reused_tokens` tokens: the chunks those cover whole, and the
+    tail when the whole prompt was reused."""
+    return min(reused_tokens // chunk_tokens, n_chunks) + whole
+
+
 def deadlines(now: float, n_keys: int, *, reused: int, tail_repeat_only: bool, turnover: float,
               ttl: float) -> list[float]:
     """Expiry times (seconds, the clock of `now`) for a prompt's `n_keys` keys used now, first to last.

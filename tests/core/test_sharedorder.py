@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from skippy_cache.sharedorder import STEP_S, Turnover, deadlines
+from skippy_cache.sharedorder import STEP_S, Turnover, deadlines, reused_keys
 
 TTL = 86_400.0
 
@@ -48,3 +48,10 @@ def test_turnover_is_keys_held_over_keys_evicted_per_second() -> None:
     assert t.value == 2000 / 4  # only the last window counts: four a second now
     t.observe(310.0, evicted_total=3, keys=10)  # the server restarted
     assert t.value == 0.0
+
+
+def test_reused_keys_are_the_whole_chunks_a_hit_covered_and_the_tail_of_a_whole_hit() -> None:
+    assert reused_keys(0, 3, 64, whole=False) == 0
+    assert reused_keys(130, 3, 64, whole=False) == 2  # the third chunk was only begun
+    assert reused_keys(400, 3, 64, whole=False) == 3  # never more than the chunks there are
+    assert reused_keys(200, 3, 64, whole=True) == 4

@@ -63,6 +63,7 @@ from skippy_cache.placement import ALIGN
 from skippy_cache.runtime.info import EngineConfig, default_host_cache_bytes
 from skippy_cache.runtime.remote import Prefetched, RemoteChunks
 from skippy_cache.runtime.startup import StartupError
+from skippy_cache.sharedorder import reused_keys
 from skippy_cache.stateformat import Layout, StateFormatError, join, parse, split
 from skippy_cache.tiers import Hit, Source, StoreStats
 
@@ -754,7 +755,7 @@ class StateStore:
         if self.remote is None or page.local:
             return []
         n = len(page.chunk_keys)
-        reused = min(page.reused // self.chunk_tokens, n) + (page.reused >= page.token_count)
+        reused = reused_keys(page.reused, n, self.chunk_tokens, whole=page.reused >= page.token_count)
         return self.remote.deadlines(n + 1, reused=reused, tail_repeat_only=page.logits is not None)
 
     def _wait_shared(self, page: Page) -> None:

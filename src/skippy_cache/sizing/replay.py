@@ -39,6 +39,7 @@ from skippy_cache.diskchunks import DiskChunks
 from skippy_cache.eviction import Policy
 from skippy_cache.identity import IdentityKey, PageId, PrefixHasher, PrefixIdentity
 from skippy_cache.resident import ResidentEviction, ResidentPrefixCache
+from skippy_cache.sharedorder import reused_keys
 from skippy_cache.sizing.sharedtier import ServerPolicy, SharedTier
 from skippy_cache.sizing.trace import BLOCK_TOKENS, SyntheticTokens, TraceRequest
 from skippy_cache.tiers import CacheTiers, Query, Source
@@ -332,7 +333,7 @@ class Replica:
         when it leaves), else straight into the store. False when it is kept nowhere."""
         if self.config.capacities.resident_tokens > 0:
             return self._record_resident(prompt)
-        self._write(prompt, self.chunks)
+        self._write(prompt)
         return True
 
     def _share(self, prompt: Prompt, hit: int, whole: bool, figures: ReplayFigures) -> None:
@@ -341,7 +342,7 @@ class Replica:
         assert self.shared is not None
         c = self.config.block_tokens
         per_token = self.config.kv_bytes_per_token
-        reused = min(hit // c, len(prompt.chunk_keys)) + whole
+        reused = reused_keys(hit, len(prompt.chunk_keys), c, whole=whole)
         figures.remote_written_bytes += self.shared.use(
             [*prompt.chunk_keys, prompt.tail_key], [n * per_token for n in prompt_sizes(prompt, c)],
             reused=reused, tail_repeat_only=True)
@@ -360,7 +361,7 @@ class Replica:
         self._left.clear()
         if not allocation.should_save:
             if allocation.reason == "uncacheable":
-                self._write(prompt, self.chunks)
+                self._write(prompt)
                 return True
             return allocation.reason == "exists"
         resident.commit_record(prompt.page_id, allocation.seq_id, n, nbytes)
@@ -371,24 +372,19 @@ class Replica:
 
     def _demote(self, eviction: ResidentEviction) -> None:
         prompt = self._resident_prompts.pop(eviction.page_id)
-        self._write(prompt, self.chunks)
+        self._write(prompt)
         self._left.append(eviction.page_id)
 
-    def _write(self, prompt: Prompt, store: ChunkStore) -> int:
-        """Add the prompt's chunks, first to last; the bytes newly stored."""
-        c = self.config.block_tokens
+    def _write(self, prompt: Prompt) -> None:
+        """Add the prompt's chunks to this replica's store, first to last."""
         per_token = self.config.kv_bytes_per_token
-        n = len(prompt.tokens)
-        written = 0
         parent = None
-        names = [*prompt.chunk_keys, prompt.tail_key]
-        for i, key in enumerate(names):
-            size = (c if key != prompt.tail_key else n - i * c) * per_token
-            if store.add(key, size, lambda size=size: Placeholder(size), parent=parent,  # type: ignore[misc]
-                         tail=key == prompt.tail_key):
-                written += size
+        keys = [*prompt.chunk_keys, prompt.tail_key]
+        for key, tokens in zip(keys, prompt_sizes(prompt, self.config.block_tokens), strict=True):
+            size = tokens * per_token
+            self.chunks.add(key, size, lambda size=size: Placeholder(size), parent=parent,  # type: ignore[misc]
+                            tail=key == prompt.tail_key)
             parent = key
-        return written
 
 
 def _count(figures: ReplayFigures, source: Source, tokens: int) -> None:
