@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 import pytest
@@ -98,6 +99,27 @@ def test_a_chunk_this_process_holds_is_only_renewed(remote, redis_server):
     assert client.pttl(remote.name(key(3))) > before + 50_000
     assert not client.exists(remote.name(key(4)))
     assert remote.stats().writes == 1
+
+
+def test_a_value_queued_behind_its_own_renewal_is_still_written(remote, redis_server):
+    sending, release = threading.Event(), threading.Event()
+    send = remote._send
+
+    def held_send(batch):
+        sending.set()
+        release.wait(10)
+        send(batch)
+
+    remote._send = held_send
+    remote.put(key(1), value(key(1)))
+    assert sending.wait(10)  # the writer holds key 1's batch; what follows queues behind it
+    remote.put(key(2), None)  # renewal only: the server does not hold key 2
+    remote.put(key(2), value(key(2)))  # then this process has its bytes to send after all
+    remote.put(key(1), None)  # key 1 is being written: nothing more to queue
+    release.set()
+    assert remote.flush(10)
+    assert remote.fetch([key(1), key(2)]) == [value(key(1)), value(key(2))]
+    assert (remote.stats().writes, remote.stats().present) == (2, 0)
 
 
 def test_the_write_queue_drops_rather_than_grows(redis_server):

@@ -202,6 +202,10 @@ class ContextParams:
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = True
+    #: False gives each sequence a stream of its own, `n_ctx / n_seq_max` cells (llama-server
+    #: without `--kv-unified`); seq_cp then copies whole streams, so the runtime never does this.
+    #: `benchmarks/stream_layout.py` measures what the unified pool costs against it.
+    kv_unified: bool = True
 
 
 class NativeContext:
@@ -221,7 +225,7 @@ class NativeContext:
         cp.type_v = KV_TYPES[params.type_v]
         cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         # Unified: seq_cp shares cells inside one pool instead of copying streams.
-        cp.kv_unified = True
+        cp.kv_unified = params.kv_unified
         cp.no_perf = True
         self.model = model
         self.ptr = ll.llama_init_from_model(model.ptr, cp)

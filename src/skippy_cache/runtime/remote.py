@@ -216,11 +216,12 @@ class RemoteChunks:
         self._clients: dict[float, redis.Redis | RedisCluster] = {}
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
-        #: (key, sealed value or None to renew only, expiry time in Unix seconds).
-        self._queue: deque[tuple[str, bytes | None, float]] = deque()
-        self._queued: set[str] = set()
+        #: Keys in send order; each queued key's (sealed value or None to renew only, expiry
+        #: time in Unix seconds); whether each key the writer is sending carries a value.
+        self._queue: deque[str] = deque()
+        self._items: dict[str, tuple[bytes | None, float]] = {}
+        self._sending: dict[str, bool] = {}
         self._pending_bytes = 0
-        self._busy = False
         self._closing = False
         self._counts = dict.fromkeys(
             ("lookups", "lookups_skipped", "hits", "misses", "rejected", "bytes_in", "bytes_out",
@@ -319,22 +320,31 @@ class RemoteChunks:
     ) -> bool:
         """Queue a sealed chunk for the server, to expire at `deadline` (Unix seconds; default: a new
         chunk's, `ttl_s` ahead; `first`: ahead of what is queued). With `value` None the chunk is only
-        renewed if the server holds it (this process holds it already and sends no bytes). False
-        (dropped) if the queue is full or the tier is down."""
+        renewed if the server holds it (this process holds it already and sends no bytes). A chunk
+        queued or being sent is not queued again, unless only its renewal is and this brings its
+        value. False (dropped) if the queue is full or the tier is down."""
         if deadline is None:
             (deadline,) = self.deadlines(1, reused=0, tail_repeat_only=False)
         size = len(value) if value is not None else 0
         with self._cv:
-            if key in self._queued:
+            queued, sending = self._items.get(key), self._sending.get(key)
+            if queued is None and sending is not None and (sending or value is None):
+                return True  # being sent, with at least these bytes
+            if queued is not None and (queued[0] is not None or value is None):
                 return True
             if not self.breaker.up or self._pending_bytes + size > self.config.max_pending_bytes:
                 self._counts["dropped"] += 1
                 return False
-            if first:
-                self._queue.appendleft((key, value, deadline))
+            if queued is not None:
+                # A renew-only write still queued gets the bytes: sent alone, it would renew
+                # nothing on a server that does not hold the chunk, and the value would be lost.
+                self._items[key] = (value, max(deadline, queued[1]))
             else:
-                self._queue.append((key, value, deadline))
-            self._queued.add(key)
+                self._items[key] = (value, deadline)
+                if first:
+                    self._queue.appendleft(key)
+                else:
+                    self._queue.append(key)
             self._pending_bytes += size
             self._cv.notify()
         return True
@@ -344,12 +354,14 @@ class RemoteChunks:
         dropped); False on timeout."""
         wanted = set(keys)
         with self._cv:
-            return self._cv.wait_for(lambda: self._queued.isdisjoint(wanted), timeout)
+            return self._cv.wait_for(
+                lambda: self._items.keys().isdisjoint(wanted) and self._sending.keys().isdisjoint(wanted),
+                timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write was sent (or dropped); False on timeout (tests, shutdown)."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._busy, timeout)
+            return self._cv.wait_for(lambda: not self._queue and not self._sending, timeout)
 
     def _write_loop(self) -> None:
         while True:
@@ -359,17 +371,18 @@ class RemoteChunks:
                     return
                 batch: list[tuple[str, bytes | None, float]] = []
                 while self._queue and len(batch) < _BATCH_CHUNKS:
-                    batch.append(self._queue.popleft())
-                self._busy = True
+                    key = self._queue.popleft()
+                    value, deadline = self._items.pop(key)
+                    batch.append((key, value, deadline))
+                    self._sending[key] = value is not None
             try:
                 self._send(batch)
                 self._poll_turnover()
             finally:
                 with self._cv:
                     for key, value, _ in batch:
-                        self._queued.discard(key)
+                        del self._sending[key]
                         self._pending_bytes -= len(value) if value is not None else 0
-                    self._busy = False
                     self._cv.notify_all()
 
     def _send(self, batch: list[tuple[str, bytes | None, float]]) -> None:
@@ -464,7 +477,7 @@ class RemoteChunks:
         with self._cv:
             self._closing = True
             self._queue.clear()
-            self._queued.clear()  # nobody waits on a write that will not be sent
+            self._items.clear()  # nobody waits on a write that will not be sent
             self._cv.notify_all()
         self._writer.join(timeout)
         with self._lock:
