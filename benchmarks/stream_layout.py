@@ -15,6 +15,9 @@ lane as soon as it ends. Four ways, alternated, medians:
   and fills the rest of a 512-row batch with prompt rows (llama-server's steps).
 
 Prints requests per second, time to first token and time per output token.
+Then what a hit's prefix costs to hand to another lane in each layout: a
+600-token sequence shared in one pool (`llama_memory_seq_cp`, cell tags only)
+or copied into another stream (`llama_state_seq_get_data`, then `set_data`).
 """
 from __future__ import annotations
 
@@ -110,6 +113,31 @@ def run(model: NativeModel, *, unified: bool, mixed: bool, requests: int, seed: 
     return Run(seconds, ttft, tpot)
 
 
+def handover_ms(model: NativeModel, *, unified: bool, tokens: int = 600, repeats: int = 9) -> float:
+    """Median ms to give sequence 1 what sequence 0 holds (`tokens` of prompt)."""
+    ctx = NativeContext(model, ContextParams(n_ctx=(LANES + 1) * STREAM_CELLS, n_batch=BATCH,
+                                             n_seq_max=LANES + 1, n_threads=os.cpu_count() or 1,
+                                             kv_unified=unified))
+    rng, batch = random.Random(0), Batch(BATCH)
+    prompt = [rng.randrange(1000, 40000) for _ in range(tokens)]
+    for start in range(0, tokens, BATCH):
+        batch.clear()
+        batch.add(0, prompt[start:start + BATCH], start, False)
+        if ctx.decode(batch) != 0:
+            raise RuntimeError("llama_decode failed")
+    times = []
+    for _ in range(repeats):
+        ctx.seq_rm(1)
+        begin = time.perf_counter()
+        if unified:
+            ctx.seq_cp(0, 1, -1, -1)
+        elif not ctx.state_seq_set(1, ctx.state_seq_get(0)):
+            raise RuntimeError("llama_state_seq_set_data refused the copy")
+        times.append((time.perf_counter() - begin) * 1000)
+    ctx.close()
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=16)
@@ -131,6 +159,8 @@ def main() -> None:
         tpot = statistics.median(t for r in runs for t in r.tpot) * 1000
         name = f"{'unified' if unified else 'split'}, {'mixed' if mixed else 'separate'}"
         print(f"{name:<20} {rate:>7.3f} {rate / base:>7.2f}x {ttft:>12,.0f} {tpot:>12.1f}")
+    print(f"a 600-token prefix to another lane: shared in one pool {handover_ms(model, unified=True):.2f} ms, "
+          f"copied into its stream {handover_ms(model, unified=False):.2f} ms")
 
 
 if __name__ == "__main__":
