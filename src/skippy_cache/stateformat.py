@@ -360,7 +360,8 @@ def join(
     *,
     seq_id: int = 0,
     start: int = 0,
-) -> bytearray:
+    into: bytearray | None = None,
+) -> bytearray | memoryview:
     """A payload for `llama_state_seq_set_data` holding the first `n_tokens` tokens of consecutive chunks.
 
     `n_tokens` must end inside the last chunk given (no chunk wholly past it).
@@ -370,7 +371,9 @@ def join(
     `seq_id` goes into the header and every cell, as the writer puts it; the
     reader ignores both (flags 0), so any value imports into any sequence. Pass
     the state's own `seq_id` for a byte-exact round trip. A bytearray: the
-    import reads it in place instead of copying it once more.
+    import reads it in place instead of copying it once more. With `into` at
+    least as long as the payload, it is written there and a view of it comes
+    back: a buffer used again is not faulted in page by page again.
     """
     if n_tokens < 1:
         raise StateFormatError(f"n_tokens must be at least 1, got {n_tokens}")
@@ -420,7 +423,15 @@ def join(
                 off = count * (k_total + v_before)
                 parts.append(view[off : off + take * x.v_row_bytes])
         v_before += x.v_row_bytes
-    return bytearray().join(parts)
+    size = sum(len(part) for part in parts)
+    if into is None or len(into) < size:
+        return bytearray().join(parts)
+    out = memoryview(into)[:size]
+    at = 0
+    for part in parts:
+        out[at : at + len(part)] = part
+        at += len(part)
+    return out
 
 
 def zeroed(layout: Layout | Sequence[Layout], n_tokens: int, *, seq_id: int = 0) -> bytearray:

@@ -68,6 +68,17 @@ def test_seal_unseal_round_trip(logits: bytes | None) -> None:
     assert unseal(KEY, memoryview(value)) == c
 
 
+def test_unseal_views_an_immutable_value_and_copies_a_mutable_one() -> None:
+    c = chunk()
+    value = seal(c)
+    viewed = unseal(KEY, value)
+    assert isinstance(viewed.payload, memoryview) and viewed.payload.obj is value  # no copy of the rows
+    mutable = bytearray(value)
+    copied = unseal(KEY, mutable)
+    mutable[-1] ^= 0xFF  # a buffer the caller may change: the chunk must not change with it
+    assert copied == c
+
+
 def test_nbytes_counts_payload_and_logits() -> None:
     assert chunk(b"x" * 10).nbytes == 10
     assert chunk(b"x" * 10, b"y" * 8).nbytes == 18

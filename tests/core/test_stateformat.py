@@ -394,6 +394,20 @@ def test_chunks_from_the_middle_join_as_the_later_positions(v_trans: bool, c: in
     assert join(parse(p).layout, chunks[skip : cuts(start + m, c)], m, start=start) == later
 
 
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_join_into_a_kept_buffer_writes_the_same_payload(v_trans: bool) -> None:
+    pool, p = sample(v_trans, n=10, seq_id=0)
+    s = parse(p)
+    chunks = split(s, 4)
+    buffer = bytearray(b"\xee" * (len(p) + 100))  # larger, and full of an earlier restore's bytes
+    joined = join(s.layout, chunks, 10, into=buffer)
+    assert isinstance(joined, memoryview) and joined.obj is buffer and joined == p
+    shorter = join(s.layout, chunks[:2], 5, into=buffer)  # the same buffer again, a shorter payload
+    assert shorter == write_state(pool, 0, list(range(2, 7)))
+    small = bytearray(len(p) - 1)
+    assert isinstance(join(s.layout, chunks, 10, into=small), bytearray) and small == bytearray(len(p) - 1)
+
+
 def test_join_writes_the_seq_id_it_is_given() -> None:
     pool, p = sample(n=5, seq_id=3)
     s = parse(p)

@@ -265,10 +265,10 @@ class NativeContext:
             raise NativeError(f"llama_state_seq_get_data wrote {written} of {size} bytes for seq {seq_id}")
         return buf
 
-    def state_seq_set(self, seq_id: int, payload: bytes | bytearray) -> bool:
+    def state_seq_set(self, seq_id: int, payload: bytes | bytearray | memoryview) -> bool:
         """Replace `seq_id` with a saved state in free cells; False if llama.cpp refused (no room, bad data)."""
         n = len(payload)
-        if isinstance(payload, bytearray):
+        if isinstance(payload, bytearray) or (isinstance(payload, memoryview) and not payload.readonly):
             src = (ctypes.c_uint8 * n).from_buffer(payload)
         else:
             src = (ctypes.c_uint8 * n).from_buffer_copy(payload)

@@ -98,7 +98,7 @@ class CellPool:
         """The sequence's exact state (`llama_state_seq_get_data`)."""
         return self.ctx.state_seq_get(seq_id)
 
-    def restore(self, seq_id: int, payload: bytes | bytearray, n: int, start: int = 0) -> bool:
+    def restore(self, seq_id: int, payload: bytes | bytearray | memoryview, n: int, start: int = 0) -> bool:
         """Import a state of positions [start, start + n) into an empty sequence; False (and nothing
         held) if refused."""
         if not self.ctx.state_seq_set(seq_id, payload) or self.ctx.seq_pos_max(seq_id) != start + n - 1:

@@ -114,13 +114,19 @@ class Fetched:
     """What a restore imports: a payload of `cells` tokens at positions [start, start + cells), of
     which those before `length` are kept."""
 
-    payload: bytes | bytearray
+    #: Valid until the next `fetch`: a view of the store's restore buffer, which that one reuses.
+    payload: bytes | bytearray | memoryview
     start: int
     cells: int
     length: int
     source: Source
     logits: np.ndarray | None
 
+
+#: The largest buffer kept for joining restores into (the largest restore so far, up to this).
+#: A fresh buffer of tens of MiB is faulted in page by page on every restore, which cost as
+#: much as the copy itself; a kept one costs its size in RSS.
+RESTORE_BUFFER_MAX = 256 << 20
 
 #: The chunk size of a store of whole states (`StateStore.whole_states`): larger than any sequence,
 #: so every page is its tail alone.
@@ -158,6 +164,8 @@ class StateStore:
         self._pages: OrderedDict[PageId, Page] = OrderedDict()
         self._pending: dict[PageId, bytes | bytearray] = {}
         self._pending_bytes = 0
+        #: Where the engine thread joins a restore's chunks (`fetch`), kept for the next one.
+        self._restore_buffer: bytearray | None = None
         #: Past this many bytes of pages, a tenant's least recently used pages are dropped (chunks and
         #: all) to make room for its next one, so one tenant cannot fill the store (0: no share).
         self.owner_share_bytes = 0
@@ -489,10 +497,13 @@ class StateStore:
                 return None
             return Fetched(pieces[0].payload, 0, n, n, source, _logits(pieces[0].logits) if hit.whole else None)
         try:
-            payload = join(self.layout, [p.payload for p in pieces], length - start, start=start)
+            payload = join(self.layout, [p.payload for p in pieces], length - start, start=start,
+                           into=self._restore_buffer)
         except StateFormatError:
             log.exception("store: chunks that passed their checks do not join; serving a miss")
             return None
+        if isinstance(payload, bytearray) and len(payload) <= RESTORE_BUFFER_MAX:
+            self._restore_buffer = payload  # a new one, larger than the last: kept for the next
         cells = length - start
         logits = None
         if hit.whole and length == n and pieces[-1].logits is not None:
