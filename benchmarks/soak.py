@@ -410,8 +410,9 @@ def report(tally: Tally, checks: list[tuple[str, bool, str]], rss: list[tuple[st
         lines.append(f"| {name} | {'ok' if ok else 'FAILED'} | {figures} |")
     lines += ["", "server RSS (VmRSS, MiB): " + ", ".join(
         f"{label} {value:.0f}" if value is not None else f"{label} n/a" for label, value in rss)]
-    lines.append(f"of which by design, at the end: the store's RAM tier {store_ram / 2**20:.0f} MiB "
-                 "(states of entries that left the pool, up to --host-cache-mib)")
+    lines.append("of which by design, at the end: the store's RAM tier and restore buffer "
+                 f"{store_ram / 2**20:.0f} MiB (states of entries that left the pool, up to "
+                 "--host-cache-mib; the largest restore, up to 256 MiB)")
     for label, items in (("unexpected answers", tally.unexpected), ("transport errors", tally.errors),
                          ("bad streams", tally.bad_streams)):
         if items:
@@ -424,7 +425,8 @@ def run_checks(target: Target, tally: Tally) -> tuple[list[tuple[str, bool, str]
     """The checks, and the store's RAM tier bytes."""
     health = wait_idle(target.url)
     cache = httpx.get(f"{target.url}/v1/cache", timeout=60).json()
-    store_ram = cache["store"]["chunks"]["ram_bytes"] if cache.get("store") else 0
+    store = cache.get("store")
+    store_ram = store["chunks"]["ram_bytes"] + store["restore_buffer_bytes"] if store else 0
     pool, audit = cache["pool"], cache["pool"]["audit"]
     five = sum(n for s in tally.statuses.values() for code, n in s.items() if code >= 500)
     server_five = server_5xx(target.url)

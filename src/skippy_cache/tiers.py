@@ -234,6 +234,8 @@ class StoreStats:
     pending: int
     chunk_tokens: int
     chunks: ChunkStoreStats
+    #: The buffer restores are joined into, kept from one restore to the next.
+    restore_buffer_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,7 +172,7 @@ def test_cache_endpoint_reports_budgets_and_stats(server: LiveServer) -> None:
         assert counters[key] >= 0
     assert counters["hits"] <= counters["lookups"] and counters["restores"] <= counters["hits"]
     store = report["store"]
-    assert set(store) == {"pages", "pending", "chunk_tokens", "chunks"}
+    assert set(store) == {"pages", "pending", "chunk_tokens", "chunks", "restore_buffer_bytes"}
     chunks = store["chunks"]
     assert chunks["ram_max_bytes"] == server.engine.info.host_cache_bytes and chunks["disk"] is None
     assert 0 <= chunks["ram_bytes"] <= chunks["ram_max_bytes"]
@@ -243,6 +243,7 @@ def test_store_demotion_and_restore_in_metrics_and_report(store_server: LiveServ
     assert value(samples, "skippy_cache_idle_evictions_total") == 1
     assert value(samples, "skippy_cache_restores_total") == 0
     assert value(samples, "skippy_cache_resident_entries") == 0
+    assert store["restore_buffer_bytes"] == value(samples, "skippy_store_restore_buffer_bytes") == 0
 
     # The same prompt again: its whole-prompt state restored from the store, every token cached.
     again = complete(prompt, 1)
@@ -257,6 +258,8 @@ def test_store_demotion_and_restore_in_metrics_and_report(store_server: LiveServ
     assert counters["hits"] == 1 and counters["hit_tokens"] == n_prompt and counters["restore_ms"] > 0
     # Still in the store, and resident again (re-recorded from the restored lane).
     assert restored["store"]["pages"] == 1 and restored["resident"]["entries"] == 1
+    # The buffer its chunks were joined into is kept for the next restore.
+    assert restored["store"]["restore_buffer_bytes"] > 0
     samples = server.metrics()
     assert value(samples, "skippy_cache_restores_total") == 1
     assert value(samples, "skippy_store_hits_total", tier="ram") == 1

@@ -616,7 +616,9 @@ class StateStore:
 
     def stats(self) -> StoreStats:
         with self._cv:
-            return StoreStats(len(self._pages), len(self._pending), self.chunk_tokens, self.chunks.stats())
+            buffer = len(self._restore_buffer) if self._restore_buffer is not None else 0
+            return StoreStats(len(self._pages), len(self._pending), self.chunk_tokens, self.chunks.stats(),
+                              buffer)
 
     def pages(self) -> list[PageId]:
         with self._cv:

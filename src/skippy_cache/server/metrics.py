@@ -172,6 +172,10 @@ class EngineCollector(Collector):
             "skippy_store_pending": (
                 "Exported states waiting for the store's writer", store.pending if store is not None else 0
             ),
+            "skippy_store_restore_buffer_bytes": (
+                "Bytes of the buffer restores are joined into, kept for the next restore",
+                store.restore_buffer_bytes if store is not None else 0,
+            ),
             "skippy_store_dedup_ratio": (
                 "Bytes stored on behalf of entries / bytes held (chunks shared by prefixes count once)",
                 store.chunks.dedup_ratio if store is not None else 0.0,
