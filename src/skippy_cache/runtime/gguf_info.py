@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
+import mmap
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,39 +59,136 @@ class GgufInfo:
     tensor_count: int
 
 
-def read_gguf_info(path: str | Path) -> GgufInfo:
-    from gguf import GGUFReader
+@dataclass(frozen=True, slots=True)
+class GgufHeader:
+    """The few things read from a GGUF's header, and where its tensor data starts."""
 
+    data_offset: int
+    architecture: str | None
+    chat_template: str | None
+    tensor_count: int
+
+
+def read_gguf_info(path: str | Path) -> GgufInfo:
     path = Path(path)
     if not path.is_file():
         what = "is a directory, not a model file" if path.is_dir() else "not found"
         raise ModelNotFoundError(f"--model {path}: {what}; pass the path of a .gguf model file")
     try:
-        reader = GGUFReader(path)
+        header = read_header(path)
     except PermissionError:
         raise ModelFileError(f"--model {path}: cannot read it (permission denied)") from None
-    except Exception as exc:  # noqa: BLE001 - gguf raises what its parse hits (ValueError, IndexError, ...)
-        raise ModelFileError(
-            f"--model {path}: not a GGUF model file llama.cpp can load ({_first_line(exc)}); "
-            "pass a .gguf file (llama.cpp's convert_hf_to_gguf.py makes one from Hugging Face weights)"
-        ) from None
+    except Exception:  # noqa: BLE001 - any file this reader does not follow: the gguf package decides
+        header = _header_by_gguf(path)
     size = path.stat().st_size
     hasher = blake3()
     hasher.update(size.to_bytes(8, "little"))
     with path.open("rb") as f:
-        hasher.update(f.read(reader.data_offset))
-        f.seek(reader.data_offset)
+        hasher.update(f.read(header.data_offset))
+        f.seek(header.data_offset)
         hasher.update(f.read(_SAMPLE_BYTES))
-        f.seek(max(size - _SAMPLE_BYTES, reader.data_offset))
+        f.seek(max(size - _SAMPLE_BYTES, header.data_offset))
         hasher.update(f.read(_SAMPLE_BYTES))
     return GgufInfo(
         path=path,
         model_id=path.stem,
         digest=hasher.hexdigest()[:32],
-        architecture=_field_str(reader, "general.architecture") or "unknown",
-        chat_template=_field_str(reader, "tokenizer.chat_template"),
-        tensor_count=len(reader.tensors),
+        architecture=header.architecture or "unknown",
+        chat_template=header.chat_template,
+        tensor_count=header.tensor_count,
     )
+
+
+#: GGUF value types: scalar sizes by type id; 8 is a string, 9 an array.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_WANTED = ("general.architecture", "tokenizer.chat_template")
+
+
+def read_header(path: Path) -> GgufHeader:
+    """Read a little-endian GGUF (v2, v3) header, skipping the values it does not need.
+
+    The gguf package's reader parses every value, the tokenizer's tens of
+    thousands of strings included, which took seconds for each engine start.
+    Raises ValueError on anything it does not follow (`read_gguf_info` then
+    asks the gguf package, which reads more forms and words its errors).
+    """
+    with path.open("rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        return _parse_header(data)
+    except (struct.error, KeyError) as exc:  # past the end of the file; a value type it does not know
+        raise ValueError(f"unreadable GGUF header ({exc})") from None
+    finally:
+        data.close()
+
+
+def _parse_header(data: mmap.mmap) -> GgufHeader:
+    if data[:4] != b"GGUF":
+        raise ValueError("no GGUF magic")
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", data, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version}")
+    at = 24
+    found: dict[str, str] = {}
+    alignment = 32
+
+    def string(at: int) -> tuple[bytes, int]:
+        (n,) = struct.unpack_from("<Q", data, at)
+        end = at + 8 + n
+        if end > len(data):
+            raise ValueError("a string runs past the end of the file")
+        return data[at + 8 : end], end
+
+    def skip(kind: int, at: int) -> int:
+        if kind == _STRING:
+            return at + 8 + struct.unpack_from("<Q", data, at)[0]
+        if kind == _ARRAY:
+            item, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            if item in _SCALAR_BYTES:
+                return at + count * _SCALAR_BYTES[item]
+            for _ in range(count):
+                at = skip(item, at)
+            return at
+        return at + _SCALAR_BYTES[kind]
+
+    for _ in range(kv_count):
+        key, at = string(at)
+        (kind,) = struct.unpack_from("<I", data, at)
+        at += 4
+        name = key.decode("utf-8", "replace")
+        if name in _WANTED and kind == _STRING:
+            value, at = string(at)
+            found[name] = value.decode("utf-8")
+        elif name == "general.alignment" and kind == _UINT32:
+            (alignment,) = struct.unpack_from("<I", data, at)
+            at += 4
+        else:
+            at = skip(kind, at)
+    for _ in range(tensor_count):
+        _, at = string(at)
+        (n_dims,) = struct.unpack_from("<I", data, at)
+        at += 4 + 8 * n_dims + 4 + 8  # dims, type, offset
+    if at > len(data):
+        raise ValueError("the tensor table runs past the end of the file")
+    if at % alignment:
+        at += alignment - at % alignment
+    return GgufHeader(at, found.get(_WANTED[0]), found.get(_WANTED[1]), tensor_count)
+
+
+def _header_by_gguf(path: Path) -> GgufHeader:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # noqa: BLE001 - gguf raises what its parse hits (ValueError, IndexError, ...)
+        raise ModelFileError(
+            f"--model {path}: not a GGUF model file llama.cpp can load ({_first_line(exc)}); "
+            "pass a .gguf file (llama.cpp's convert_hf_to_gguf.py makes one from Hugging Face weights)"
+        ) from None
+    return GgufHeader(reader.data_offset, _field_str(reader, "general.architecture"),
+                      _field_str(reader, "tokenizer.chat_template"), len(reader.tensors))
 
 
 def _first_line(exc: BaseException) -> str:
