@@ -51,10 +51,15 @@ class Run:
     tpot: list[float]
 
 
+def context(model: NativeModel, *, unified: bool) -> NativeContext:
+    """4 lanes and a pad sequence, in one pool of their cells or a stream of 2,048 cells each."""
+    return NativeContext(model, ContextParams(n_ctx=(LANES + 1) * STREAM_CELLS, n_batch=BATCH,
+                                              n_seq_max=LANES + 1, n_threads=os.cpu_count() or 1,
+                                              kv_unified=unified))
+
+
 def run(model: NativeModel, *, unified: bool, mixed: bool, requests: int, seed: int) -> Run:
-    ctx = NativeContext(model, ContextParams(n_ctx=(LANES + 1) * STREAM_CELLS, n_batch=BATCH,
-                                             n_seq_max=LANES + 1, n_threads=os.cpu_count() or 1,
-                                             kv_unified=unified))
+    ctx = context(model, unified=unified)
     rng, batch, pad = random.Random(seed), Batch(BATCH), LANES
     lanes = [Lane(i) for i in range(LANES)]
     ttft: list[float] = []
@@ -115,9 +120,7 @@ def run(model: NativeModel, *, unified: bool, mixed: bool, requests: int, seed: 
 
 def handover_ms(model: NativeModel, *, unified: bool, tokens: int = 600, repeats: int = 9) -> float:
     """Median ms to give sequence 1 what sequence 0 holds (`tokens` of prompt)."""
-    ctx = NativeContext(model, ContextParams(n_ctx=(LANES + 1) * STREAM_CELLS, n_batch=BATCH,
-                                             n_seq_max=LANES + 1, n_threads=os.cpu_count() or 1,
-                                             kv_unified=unified))
+    ctx = context(model, unified=unified)
     rng, batch = random.Random(0), Batch(BATCH)
     prompt = [rng.randrange(1000, 40000) for _ in range(tokens)]
     for start in range(0, tokens, BATCH):
