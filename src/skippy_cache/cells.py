@@ -30,7 +30,7 @@ One `llama_decode` is one ubatch here: the runtime sets `n_ubatch = n_batch`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -179,13 +179,18 @@ class CellMap:
             kinds[cells] |= 1 if seq < lane_limit else 2
         return kinds
 
-    def cells_held(self, seqs: set[int]) -> int:
-        """Distinct cells held by any of these sequences (a cell they share counts once)."""
+    def cells_held(self, seqs: Iterable[int], *, prefix: tuple[int, int] | None = None) -> int:
+        """Distinct cells held by any of these sequences (a cell they share counts once), and with
+        `prefix=(seq, n)` by `seq`'s positions below `n` (what a `seq_cp(seq, dst, 0, n)` would share)."""
         held = [self._seqs[s].cells for s in seqs if s in self._seqs]
+        if prefix is not None and (source := self._seqs.get(prefix[0])) is not None:
+            held.append(source.window(source.first, max(prefix[1], source.first)))
         if not held:
             return 0
         cells = np.concatenate(held)
-        return int(np.unique(cells[cells >= 0]).size)
+        mask = np.zeros(self.n_cells, np.bool_)
+        mask[cells[cells >= 0]] = True
+        return int(np.count_nonzero(mask))
 
     def cells_freed_by_removing(self, seqs: set[int]) -> int:
         """Cells that removing these sequences would free: those no other sequence holds."""

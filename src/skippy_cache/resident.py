@@ -9,8 +9,10 @@ the entry.
 Invariants, checked by `check_invariants` and the property tests:
 - every entry holds a distinct sequence id in `[reserved_seq_count, seq_id_limit)`;
 - entries (committed plus pending) <= `max_entries`;
-- booked bytes <= `max_bytes` and booked tokens <= `max_resident_tokens`
-  whenever those caps are set (> 0);
+- booked bytes <= `max_bytes` and held cells <= `max_resident_tokens`
+  whenever those caps are set (> 0): with the pool's cell mirror, the distinct
+  cells the entries hold (a pending entry counted in full); without one, the
+  sum of their token counts;
 - a pending entry (allocated, not yet committed) is never evicted;
 - an evicted entry stays booked until `drop_evicted` has returned, so its id
   is never handed out while its native cells may still be held.
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NewType
 
+from skippy_cache.cells import CellMap
 from skippy_cache.config import LLAMA_MAX_SEQ, ResidentCacheConfig
 from skippy_cache.identity import PageId
 
@@ -79,7 +82,11 @@ class RecordAllocation:
 @dataclass(frozen=True, slots=True)
 class ResidentCacheStats:
     entries: int
+    #: The entries' token counts summed: a token several entries share counts once per entry.
     resident_tokens: int
+    #: Distinct cells the entries hold (what `max_resident_tokens` caps); `resident_tokens`
+    #: without the pool's cell mirror.
+    resident_cells: int
     estimated_bytes: int
     max_entries: int
     max_bytes: int
@@ -102,9 +109,21 @@ class ResidentPrefixCache:
     releases the oldest pins first). When only pinned entries are left, a
     record's budget or a decode's cells still take them: a pin never fails a
     request.
+
+    With the pool's cell mirror (`cells`), `max_resident_tokens` caps the
+    distinct cells the entries hold. The pool shares cells between sequences
+    (`seq_cp` adds a sequence to cells, it copies none): a prompt's entries at
+    several lengths, its reply's entry, and an entry recorded from a lane that
+    reused another all hold cells of one prefix. Summing their token counts
+    counted those cells once per entry, which filled the budget several times
+    over and evicted entries that would have been hit. Eviction for cells then
+    prefers an entry whose going frees some: one that is a prefix of another
+    frees nothing.
     """
 
-    def __init__(self, config: ResidentCacheConfig, *, max_pinned_tokens: int = 0) -> None:
+    def __init__(
+        self, config: ResidentCacheConfig, *, max_pinned_tokens: int = 0, cells: CellMap | None = None
+    ) -> None:
         if config.reserved_seq_count < 0 or config.reserved_seq_count >= LLAMA_MAX_SEQ:
             raise ResidentCacheError(f"reserved_seq_count {config.reserved_seq_count} leaves no cache ids")
         self.config = config
@@ -127,6 +146,7 @@ class ResidentPrefixCache:
         #: Pinned entries, oldest pin first.
         self._pins: OrderedDict[PageId, None] = OrderedDict()
         self._pinned_tokens = 0
+        self._cells = cells
 
     # -- reads ---------------------------------------------------------------
 
@@ -160,6 +180,7 @@ class ResidentPrefixCache:
         return ResidentCacheStats(
             entries=len(self._entries),
             resident_tokens=self._tokens,
+            resident_cells=self._held(),
             estimated_bytes=self._bytes,
             max_entries=self.config.max_entries,
             max_bytes=self.config.max_bytes,
@@ -186,8 +207,15 @@ class ResidentPrefixCache:
         token_count: int,
         estimated_bytes: int,
         drop_evicted: DropEvicted,
+        *,
+        source: SeqId | None = None,
     ) -> RecordAllocation:
         """Reserve a sequence id for a record, evicting LRU entries to fit the budgets.
+
+        `source` is the sequence whose first `token_count` cells the record
+        will share (the lane it is copied from): with the cell mirror, what
+        those cells share with entries counts once. Without it the record's
+        tokens count in full.
 
         Raises `ResidentCacheError` below `min_tokens`, when the pending records
         leave no room for this one, or when sequence ids run out. If
@@ -223,10 +251,16 @@ class ResidentPrefixCache:
                 f"({len(self._entries)} entries, {self._tokens} tokens, {self._bytes} bytes)"
             )
         evictions: list[ResidentEviction] = []
-        while self._exceeds(
-            len(self._entries) + len(self._pending) + 1, self._tokens + token_count, self._bytes + estimated_bytes
-        ):
-            victim = self._lru_victim() or self._lru_victim(pinned=True)
+        record = (source, token_count)
+        while True:
+            entries = len(self._entries) + len(self._pending) + 1
+            over_entries_or_bytes = self._exceeds(entries, 0, self._bytes + estimated_bytes)
+            held = self._held(record)
+            if not over_entries_or_bytes and not self._exceeds(0, held, 0):
+                break
+            # Over the cell cap alone, an entry whose cells the others (or the record) hold frees none.
+            frees = None if over_entries_or_bytes else (lambda page: self._held(record, without=page) < held)
+            victim = self._victim(frees)
             assert victim is not None, "the pending-entries check above should have refused this record"
             evictions.append(self._evict(victim, drop_evicted))
         seq_id = self._take_seq_id()
@@ -291,19 +325,19 @@ class ResidentPrefixCache:
 
     def evict_one_lru_entry(self, drop_evicted: DropEvicted, *, pinned_too: bool = False) -> ResidentEviction | None:
         """Evict the least recently used entry (to make cells for a decode), if any; a pinned one
-        only with `pinned_too` and when no unpinned entry is left."""
+        only with `pinned_too` and when no unpinned entry is left. With the cell mirror, the least
+        recently used of those whose going frees a cell of the pool comes first."""
         self._tick()
-        victim = self._lru_victim()
-        if victim is None and pinned_too:
-            victim = self._lru_victim(pinned=True)
+        victim = self._victim(self._frees_pool_cells, pinned_too=pinned_too)
         if victim is None:
             return None
         return self._evict(victim, drop_evicted)
 
     def evict_lru_where(self, wanted: Callable[[SeqId], bool], drop_evicted: DropEvicted) -> ResidentEviction | None:
-        """Evict the least recently used unpinned entry whose sequence `wanted` picks, if any."""
+        """Evict the least recently used unpinned entry whose sequence `wanted` picks, if any (with
+        the cell mirror, one whose going frees a cell of the pool first)."""
         self._tick()
-        victim = self._lru_victim(wanted=wanted)
+        victim = self._victim(self._frees_pool_cells, wanted=wanted, pinned_too=False)
         return None if victim is None else self._evict(victim, drop_evicted)
 
     def advance_work(self, tokens: int) -> None:
@@ -333,7 +367,7 @@ class ResidentPrefixCache:
     def clear(self, drop_evicted: DropEvicted) -> list[ResidentEviction]:
         """Evict every committed entry, pinned ones too, least recently used first (pending ones stay)."""
         evicted = []
-        while (victim := self._lru_victim() or self._lru_victim(pinned=True)) is not None:
+        while (victim := self._victim(None)) is not None:
             evicted.append(self._evict(victim, drop_evicted))
         return evicted
 
@@ -351,13 +385,44 @@ class ResidentPrefixCache:
             or (cfg.max_resident_tokens > 0 and tokens > cfg.max_resident_tokens)
         )
 
-    def _lru_victim(self, *, pinned: bool = False, wanted: Callable[[SeqId], bool] | None = None) -> PageId | None:
-        """The least recently used entry among the unpinned ones (or, with `pinned`, the pinned ones),
-        of those whose sequence `wanted` picks when given."""
-        pool = self._pins if pinned else (p for p in self._entries if p not in self._pins)
-        if wanted is not None:
-            pool = (p for p in pool if wanted(self._entries[p].seq_id))
-        return min(pool, key=lambda page_id: self._entries[page_id].last_used, default=None)
+    def _victim(
+        self,
+        frees: Callable[[PageId], bool] | None,
+        *,
+        pinned_too: bool = True,
+        wanted: Callable[[SeqId], bool] | None = None,
+    ) -> PageId | None:
+        """The entry to evict: unpinned ones least recently used first, then (`pinned_too`) pinned ones,
+        of those whose sequence `wanted` picks; the first that `frees` something, else the first."""
+        def order(pinned: bool) -> list[PageId]:
+            pool = self._pins if pinned else [p for p in self._entries if p not in self._pins]
+            if wanted is not None:
+                pool = [p for p in pool if wanted(self._entries[p].seq_id)]
+            return sorted(pool, key=lambda page_id: self._entries[page_id].last_used)
+
+        candidates = order(False) + (order(True) if pinned_too else [])
+        if frees is not None:
+            freeing = next((p for p in candidates if frees(p)), None)
+            if freeing is not None:
+                return freeing
+        return candidates[0] if candidates else None
+
+    def _frees_pool_cells(self, page_id: PageId) -> bool:
+        """Would evicting the entry free a cell of the pool? Always, without the cell mirror."""
+        return self._cells is None or self._cells.cells_freed_by_removing({self._entries[page_id].seq_id}) > 0
+
+    def _held(self, record: tuple[SeqId | None, int] = (None, 0), *, without: PageId | None = None) -> int:
+        """The cells the token cap counts: the entries' (but `without`'s), pending ones' tokens in full
+        (their cells are not copied yet), and a `record` = (source sequence, tokens) about to be
+        placed, its source's cells shared with entries counted once."""
+        source, tokens = record
+        if self._cells is None:
+            return self._tokens + tokens - (self._entries[without].token_count if without is not None else 0)
+        pending = sum(p[1] for p in self._pending.values())
+        seqs = [e.seq_id for page, e in self._entries.items() if page != without]
+        if source is None:
+            return self._cells.cells_held(seqs) + pending + tokens
+        return self._cells.cells_held(seqs, prefix=(source, tokens)) + pending
 
     def _evict(self, page_id: PageId, drop_evicted: DropEvicted) -> ResidentEviction:
         entry = self._entries[page_id]
@@ -400,7 +465,8 @@ class ResidentPrefixCache:
         if cfg.max_bytes > 0:
             assert nbytes <= cfg.max_bytes, f"{nbytes} bytes over max_bytes {cfg.max_bytes}"
         if cfg.max_resident_tokens > 0:
-            assert tokens <= cfg.max_resident_tokens, f"{tokens} tokens over cap {cfg.max_resident_tokens}"
+            held = self._held()
+            assert held <= cfg.max_resident_tokens, f"{held} cells over cap {cfg.max_resident_tokens}"
         assert set(self._pins) <= set(self._entries), "a pin on an entry that is not resident"
         pinned = sum(self._entries[p].token_count for p in self._pins)
         assert pinned == self._pinned_tokens, f"pinned token books {self._pinned_tokens} != entries' {pinned}"

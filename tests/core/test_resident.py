@@ -443,6 +443,7 @@ def test_stats_snapshot() -> None:
     assert cache.stats() == ResidentCacheStats(
         entries=2,
         resident_tokens=464,
+        resident_cells=464,
         estimated_bytes=3005,
         max_entries=5,
         max_bytes=10_000,
@@ -922,6 +923,7 @@ class ResidentCacheMachine(RuleBasedStateMachine):
         assert cache.stats() == ResidentCacheStats(
             entries=len(model.entries),
             resident_tokens=model.tokens(),
+            resident_cells=model.tokens(),
             estimated_bytes=model.nbytes(),
             max_entries=model.cfg.max_entries,
             max_bytes=model.cfg.max_bytes,

@@ -32,3 +32,29 @@ def test_pool_overflow_is_absorbed_by_proactive_eviction():
     # 60 x ~300 tokens of entries through a 2,048-cell pool: eviction must have run.
     assert stats.cache.counters.proactive_evictions > 0
     assert stats.cache.counters.records >= 60
+
+
+def test_entries_sharing_a_prefix_count_its_cells_once_against_the_resident_cap():
+    # `seq_cp` shares cells: a prompt's entry, its reply's, and a longer prompt's that reused them
+    # hold one prefix. Counted per entry these are over the cap (half of 8,192 cells) twice over,
+    # and the prompt's own entry, which keeps the logits an exact repeat answers from, was evicted.
+    engine = Engine(EngineConfig(ctx_size=8192, lanes=4, check_invariants=True, idle_tokens=0,
+                                 deterministic=False))
+    try:
+        prompt = make_tokens(engine, 2200, seed=580)
+        longer = prompt + make_tokens(engine, 300, seed=581)[1:]
+        engine.generate(GenerationRequest(tokens=prompt, max_tokens=4))
+        engine.generate(GenerationRequest(tokens=longer, max_tokens=4))
+        stats = engine.stats().cache
+        audit = engine.pool_audit()
+        repeat = engine.generate(GenerationRequest(tokens=prompt, max_tokens=1))
+    finally:
+        engine.close()
+    cap = stats.resident.max_resident_tokens
+    assert cap == 4096
+    assert stats.resident.resident_tokens > 2 * cap
+    # The longer prompt and both replies (3 tokens fed back each): the first prompt adds no cell.
+    assert stats.resident.resident_cells == audit.entry_cells <= len(longer) + 6
+    assert stats.counters.budget_evictions == 0
+    assert engine.invariant_failures == []
+    assert repeat.stats.cache_source == "resident" and repeat.stats.cached_tokens == len(prompt)

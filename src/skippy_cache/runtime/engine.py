@@ -161,7 +161,8 @@ class Engine:
         store, store_note = open_store(config, warm_state, family)
         if store_note:
             log.warning("%s", store_note)
-        resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100)
+        resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100,
+                                       cells=self.pool.cells)
         tiers = CacheTiers(resident, store)
         identity_key = IdentityKey.from_stage(stage, model_digest=gguf.digest, runtime_abi=runtime_abi(),
                                               weight_layout=weight_layout)

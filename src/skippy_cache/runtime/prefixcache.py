@@ -101,9 +101,10 @@ class Savings:
 
 @dataclass(slots=True)
 class TenantFigures:
-    """What one tenant holds: resident entries and their tokens, and pages in the store."""
+    """What one tenant holds: resident entries and their cells, and pages in the store."""
 
     entries: int = 0
+    #: Distinct cells the entries hold: entries sharing a prefix (one `seq_cp`) count its cells once.
     tokens: int = 0
     stored_pages: int = 0
 
@@ -472,7 +473,8 @@ class PrefixCache:
         resident = self.tiers.resident
         nbytes = n * self.bytes_per_token + (logits.nbytes if logits is not None else 0)
         try:
-            allocation = resident.allocate_for_record(prefix.page_id, n, nbytes, self._demote)
+            allocation = resident.allocate_for_record(prefix.page_id, n, nbytes, self._demote,
+                                                      source=lane.seq_id)
         except ResidentCacheError:
             self.counters.record_skips += 1
             return False
@@ -557,13 +559,13 @@ class PrefixCache:
         return self.evict_where(seqs.__contains__)
 
     def _resident_figures(self) -> dict[str | None, TenantFigures]:
-        """Each tenant's resident entries and their tokens (no store pages)."""
-        figures: dict[str | None, TenantFigures] = {}
+        """Each tenant's resident entries and the distinct cells they hold (no store pages): a
+        prompt's entries at several lengths share their cells, which count once."""
+        seqs: dict[str | None, list[int]] = {}
         for entry in self.tiers.resident.entries():
-            f = figures.setdefault(self._owners.get(entry.page_id), TenantFigures())
-            f.entries += 1
-            f.tokens += entry.token_count
-        return figures
+            seqs.setdefault(self._owners.get(entry.page_id), []).append(entry.seq_id)
+        return {tenant: TenantFigures(entries=len(held), tokens=self.pool.cells.cells_held(held))
+                for tenant, held in seqs.items()}
 
     def tenant_figures(self) -> dict[str | None, TenantFigures]:
         """Each tenant's resident entries and their tokens, and its pages in the store."""

@@ -117,7 +117,7 @@ def dashboard_data(engine: Engine, metrics: ServerMetrics, *, prefix_text: bool,
             "timeline": metrics.timeline.points(tenant=tenant),
             "top_prefixes": top,
         }
-    tiers = [{"name": "resident", "unit": "tokens", "used": resident.resident_tokens,
+    tiers = [{"name": "resident", "unit": "tokens", "used": resident.resident_cells,
               "max": resident.max_resident_tokens or info.n_ctx}]
     if store is not None:
         tiers.append({"name": "ram", "unit": "bytes", "used": store.chunks.ram_bytes,

@@ -161,7 +161,13 @@ class EngineCollector(Collector):
             "skippy_kv_cells_used": ("KV cells held by lanes and cache entries", s.used_cells),
             "skippy_kv_cells_reserved": ("KV cells reserved by running requests", s.reserved_cells),
             "skippy_cache_resident_entries": ("Resident prefix cache entries", c.entries),
-            "skippy_cache_resident_tokens": ("Tokens held by resident entries", c.resident_tokens),
+            "skippy_cache_resident_tokens": (
+                "Resident entries' tokens summed (a token entries share counts for each)", c.resident_tokens
+            ),
+            "skippy_cache_resident_cells": (
+                "Distinct KV cells resident entries hold (what the resident token cap counts)",
+                c.resident_cells,
+            ),
             "skippy_cache_resident_bytes": ("Estimated KV bytes of resident entries", c.estimated_bytes),
             "skippy_cache_max_entries": ("Entry budget", c.max_entries),
             "skippy_cache_max_resident_tokens": ("Resident token cap (0: none)", c.max_resident_tokens),
