@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from skippy_cache.sizing.cli import kv_bytes_per_token, parse_capacity
+from skippy_cache.sizing.cli import UsageError, kv_bytes_per_token, parse_capacity
 from skippy_cache.sizing.trace import TraceError, parse_trace
 
 
@@ -107,6 +107,15 @@ def test_capacities_in_tokens_blocks_and_bytes() -> None:
 def test_the_default_models_kv_size_per_token() -> None:
     # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) dims x 2 bytes.
     assert kv_bytes_per_token(None) == 30 * 3 * 128 * 2
+
+
+def test_a_model_that_is_no_gguf_file_is_a_usage_error(tmp_path: Path) -> None:
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("not a model")
+    with pytest.raises(UsageError, match="not a GGUF model file"):
+        kv_bytes_per_token(bad)
+    with pytest.raises(UsageError, match="not found"):
+        kv_bytes_per_token(tmp_path / "missing.gguf")
 
 
 @pytest.mark.model

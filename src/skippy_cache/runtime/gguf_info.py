@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from blake3 import blake3
@@ -67,19 +67,13 @@ class GgufHeader:
     architecture: str | None
     chat_template: str | None
     tensor_count: int
+    #: Integer values and integer arrays by key (layer and head counts, ...), the tokenizer's left out.
+    integers: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def read_gguf_info(path: str | Path) -> GgufInfo:
     path = Path(path)
-    if not path.is_file():
-        what = "is a directory, not a model file" if path.is_dir() else "not found"
-        raise ModelNotFoundError(f"--model {path}: {what}; pass the path of a .gguf model file")
-    try:
-        header = read_header(path)
-    except PermissionError:
-        raise ModelFileError(f"--model {path}: cannot read it (permission denied)") from None
-    except Exception:  # noqa: BLE001 - any file this reader does not follow: the gguf package decides
-        header = _header_by_gguf(path)
+    header = load_header(path)
     size = path.stat().st_size
     hasher = blake3()
     hasher.update(size.to_bytes(8, "little"))
@@ -99,10 +93,28 @@ def read_gguf_info(path: str | Path) -> GgufInfo:
     )
 
 
+def load_header(path: Path) -> GgufHeader:
+    """The model file's header, read by `read_header` or, for a file it does not follow, by the gguf
+    package, whose errors become `ModelNotFoundError` / `ModelFileError`."""
+    if not path.is_file():
+        what = "is a directory, not a model file" if path.is_dir() else "not found"
+        raise ModelNotFoundError(f"--model {path}: {what}; pass the path of a .gguf model file")
+    try:
+        return read_header(path)
+    except PermissionError:
+        raise ModelFileError(f"--model {path}: cannot read it (permission denied)") from None
+    except Exception:  # noqa: BLE001 - any file this reader does not follow: the gguf package decides
+        return _header_by_gguf(path)
+
+
 #: GGUF value types: scalar sizes by type id; 8 is a string, 9 an array.
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+#: The integer types' struct formats (u8, i8, u16, i16, u32, i32, u64, i64).
+_INT_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 10: "Q", 11: "q"}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _WANTED = ("general.architecture", "tokenizer.chat_template")
+#: Keys whose integer arrays are not kept: the tokenizer's run to the vocabulary's size.
+_UNKEPT = "tokenizer."
 
 
 def read_header(path: Path) -> GgufHeader:
@@ -131,6 +143,7 @@ def _parse_header(data: mmap.mmap) -> GgufHeader:
         raise ValueError(f"GGUF version {version}")
     at = 24
     found: dict[str, str] = {}
+    integers: dict[str, tuple[int, ...]] = {}
     alignment = 32
 
     def string(at: int) -> tuple[bytes, int]:
@@ -161,9 +174,16 @@ def _parse_header(data: mmap.mmap) -> GgufHeader:
         if name in _WANTED and kind == _STRING:
             value, at = string(at)
             found[name] = value.decode("utf-8")
-        elif name == "general.alignment" and kind == _UINT32:
-            (alignment,) = struct.unpack_from("<I", data, at)
-            at += 4
+        elif kind in _INT_FORMATS:
+            integers[name] = struct.unpack_from("<" + _INT_FORMATS[kind], data, at)
+            if name == "general.alignment" and kind == _UINT32:
+                alignment = integers[name][0]
+            at += _SCALAR_BYTES[kind]
+        elif kind == _ARRAY and not name.startswith(_UNKEPT):
+            item, count = struct.unpack_from("<IQ", data, at)
+            if item in _INT_FORMATS:
+                integers[name] = struct.unpack_from(f"<{count}{_INT_FORMATS[item]}", data, at + 12)
+            at = skip(kind, at)
         else:
             at = skip(kind, at)
     for _ in range(tensor_count):
@@ -174,7 +194,7 @@ def _parse_header(data: mmap.mmap) -> GgufHeader:
         raise ValueError("the tensor table runs past the end of the file")
     if at % alignment:
         at += alignment - at % alignment
-    return GgufHeader(at, found.get(_WANTED[0]), found.get(_WANTED[1]), tensor_count)
+    return GgufHeader(at, found.get(_WANTED[0]), found.get(_WANTED[1]), tensor_count, integers)
 
 
 def _header_by_gguf(path: Path) -> GgufHeader:
@@ -187,8 +207,16 @@ def _header_by_gguf(path: Path) -> GgufHeader:
             f"--model {path}: not a GGUF model file llama.cpp can load ({_first_line(exc)}); "
             "pass a .gguf file (llama.cpp's convert_hf_to_gguf.py makes one from Hugging Face weights)"
         ) from None
+    integers = {}
+    for name, f in reader.fields.items():
+        kinds = [int(kind) for kind in f.types]
+        if name.startswith("GGUF.") or not kinds:  # the package's own fields for the file's header
+            continue
+        array = kinds[0] == _ARRAY and len(kinds) > 1 and kinds[1] in _INT_FORMATS and not name.startswith(_UNKEPT)
+        if kinds[0] in _INT_FORMATS or array:
+            integers[name] = tuple(int(f.parts[i][0]) for i in f.data)
     return GgufHeader(reader.data_offset, _field_str(reader, "general.architecture"),
-                      _field_str(reader, "tokenizer.chat_template"), len(reader.tensors))
+                      _field_str(reader, "tokenizer.chat_template"), len(reader.tensors), integers)
 
 
 def _first_line(exc: BaseException) -> str:

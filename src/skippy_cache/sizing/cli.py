@@ -101,23 +101,22 @@ def parse_capacity(text: str, *, kv_bytes_per_token: int, block_tokens: int) -> 
 def kv_bytes_per_token(model: Path | None) -> int:
     """K and V bytes one token takes at f16 in every attention layer of the model (an estimate for models
     with sliding-window or recurrent layers, which keep less)."""
-    from gguf import GGUFReader
-
     from skippy_cache.runtime import default_model_path
+    from skippy_cache.runtime.gguf_info import load_header
+    from skippy_cache.runtime.startup import StartupError
 
     path = model or default_model_path()
-    reader = GGUFReader(path)
+    try:
+        header = load_header(path)
+    except StartupError as exc:  # missing, unreadable or not a GGUF file: said in one line
+        raise UsageError(str(exc)) from None
 
     def field(key: str) -> list[int] | None:
-        f = reader.get_field(key)
-        if f is None:
-            return None
-        return [int(f.parts[i][0]) for i in f.data]
+        return list(header.integers[key]) if key in header.integers else None
 
-    arch_field = reader.get_field("general.architecture")
-    if arch_field is None:
+    arch = header.architecture
+    if arch is None:
         raise UsageError(f"--model {path}: no general.architecture; pass --kv-bytes-per-token")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
     layers = (field(f"{arch}.block_count") or [0])[0]
     heads = (field(f"{arch}.attention.head_count") or [0])[0]
     kv_heads = field(f"{arch}.attention.head_count_kv") or [heads]
