@@ -10,6 +10,7 @@ from skippy_cache.bench.results import (
     headline_table,
     latest_against_peers,
     load_summaries,
+    machine,
     results_page,
     write_summary,
 )
@@ -94,3 +95,15 @@ def test_at_a_glance_says_faster_or_slower_per_peer() -> None:
         "- against **llama-cpp-python**: time to first token 1.00x faster on chat turns 2-3, 1.00x faster on "
         "chat turn 1, 1.00x faster on a warm 128-token hit, 3.00x faster on a cold 128-token prompt.",
     ]
+
+
+def test_the_machine_line_names_the_cpu_family_and_model_when_recorded() -> None:
+    # A virtual machine reports "AMD EPYC" alone; family 25 model 17 (Zen 4) and family 26 (Zen 5)
+    # differ in kernels and speed, so a run says which it was. Summaries written before lack them.
+    summary = _summary("2026-12-05T01:00:00")
+    summary["machine"] |= {"cpu_family": "25", "cpu_model": "17"}
+    page = results_page(summary, Path("benchmarks/results/a.json"), [])
+    assert "AMD EPYC (family 25 model 17; x86_64; avx2, avx512f), 2 cores used" in page
+    recorded = machine([0.0] * 3, [0.0] * 3, 2)
+    if recorded["arch"] == "x86_64":
+        assert recorded["cpu_family"] and recorded["cpu_model"]

@@ -33,10 +33,16 @@ _REFERENCE_LABEL = "skippy-cache"
 
 
 def machine(load_before: Iterable[float], load_after: Iterable[float], cores: int) -> dict[str, Any]:
-    """The machine a run measured: CPU model and features, cores used, and the load around it."""
+    """The machine a run measured: CPU model and features, cores used, and the load around it.
+
+    A virtual machine's model name can be as vague as "AMD EPYC"; the family and model numbers
+    (x86's `cpu family` and `model`) tell its generation, whose kernels and figures differ."""
     flags = set(cpu_flags())
+    fields = cpu_fields()
     return {
-        "cpu": cpu_fields().get("model name") or platform.processor() or platform.machine(),
+        "cpu": fields.get("model name") or platform.processor() or platform.machine(),
+        "cpu_family": fields.get("cpu family"),
+        "cpu_model": fields.get("model"),
         "arch": platform.machine(),
         "features": [f for f in _FEATURES if f in flags],
         "logical_cpus": os.cpu_count(),
@@ -272,8 +278,9 @@ def run_line(summary: dict[str, Any]) -> str:
     load = m["load"]["before"][0]
     features = ", ".join(m["features"]) or "none of note"
     commit = f", commit {v['commit']}" if v.get("commit") else ""
+    family = f"family {m['cpu_family']} model {m['cpu_model']}; " if m.get("cpu_family") else ""
     return (f"Run of {summary['created'].replace('T', ' ')}: `{_short_command(summary['command'])}` on "
-            f"{m['cpu']} ({m['arch']}; {features}), {m['cores_used']} cores used, load average "
+            f"{m['cpu']} ({family}{m['arch']}; {features}), {m['cores_used']} cores used, load average "
             f"{load:.2f} at the start; skippy-cache {v['skippy_cache']}{commit}, llama-cpp-python "
             f"{v['llama_cpp_python']}, Python {v['python']}.")
 
