@@ -105,13 +105,14 @@ class ResidentPrefixCache:
     """Resident entries' books: sequence ids, budgets, recency, idleness, pins.
 
     Pinned entries are never chosen by LRU or idleness while an unpinned entry
-    can go; their tokens stay under `max_pinned_tokens` (pinning past it
+    can go; their cells stay under `max_pinned_tokens` (pinning past it
     releases the oldest pins first). When only pinned entries are left, a
     record's budget or a decode's cells still take them: a pin never fails a
     request.
 
     With the pool's cell mirror (`cells`), `max_resident_tokens` caps the
-    distinct cells the entries hold. The pool shares cells between sequences
+    distinct cells the entries hold, and `max_pinned_tokens` those the pinned
+    ones hold; without it, their token counts summed. The pool shares cells between sequences
     (`seq_cp` adds a sequence to cells, it copies none): a prompt's entries at
     several lengths, its reply's entry, and an entry recorded from a lane that
     reused another all hold cells of one prefix. Summing their token counts
@@ -296,7 +297,7 @@ class ResidentPrefixCache:
             self._pins.move_to_end(page_id)
             return []
         released = []
-        while self._pinned_tokens + entry.token_count > self.max_pinned_tokens:
+        while self._pinned_cells(page_id) > self.max_pinned_tokens:
             oldest = next(iter(self._pins))
             self.unpin(oldest)
             released.append(oldest)
@@ -411,6 +412,14 @@ class ResidentPrefixCache:
         """Would evicting the entry free a cell of the pool? Always, without the cell mirror."""
         return self._cells is None or self._cells.cells_freed_by_removing({self._entries[page_id].seq_id}) > 0
 
+    def _pinned_cells(self, also: PageId | None = None) -> int:
+        """The cells the pins hold (with `also` pinned too): shared ones once with the cell mirror,
+        the pinned entries' tokens summed without it."""
+        if self._cells is None:
+            return self._pinned_tokens + (self._entries[also].token_count if also is not None else 0)
+        pins = [*self._pins, also] if also is not None else list(self._pins)
+        return self._cells.cells_held([self._entries[p].seq_id for p in pins])
+
     def _held(self, record: tuple[SeqId | None, int] = (None, 0), *, without: PageId | None = None) -> int:
         """The cells the token cap counts: the entries' (but `without`'s), pending ones' tokens in full
         (their cells are not copied yet), and a `record` = (source sequence, tokens) about to be
@@ -470,4 +479,5 @@ class ResidentPrefixCache:
         assert set(self._pins) <= set(self._entries), "a pin on an entry that is not resident"
         pinned = sum(self._entries[p].token_count for p in self._pins)
         assert pinned == self._pinned_tokens, f"pinned token books {self._pinned_tokens} != entries' {pinned}"
-        assert pinned <= self.max_pinned_tokens, f"{pinned} pinned tokens over {self.max_pinned_tokens}"
+        held = self._pinned_cells()
+        assert held <= self.max_pinned_tokens, f"{held} pinned cells over {self.max_pinned_tokens}"

@@ -141,6 +141,29 @@ def test_a_record_alone_over_the_cap_is_uncacheable_whatever_it_shares() -> None
     assert not allocation.should_save and allocation.reason == "uncacheable"
 
 
+def test_pins_sharing_a_system_prompt_count_it_once() -> None:
+    pool = Pool(cap=0)
+    pool.cache.max_pinned_tokens = 2048
+    pool.prefill(LANE, 1500)
+    pool.record(LANE, "system", 1500)
+    pool.cells.seq_rm(LANE)
+    for user in ("alice", "bob"):
+        pool.hit(LANE, "system", 1500)
+        pool.prefill(LANE, 100)
+        pool.record(LANE, user, 1600)
+        pool.cells.seq_rm(LANE)
+    assert pool.cache.pin(PageId("alice")) == []
+    # 3,200 tokens summed, over the 2,048 a pin may hold; 1,700 cells.
+    assert pool.cache.pin(PageId("bob")) == []
+    assert pool.cache.pinned(PageId("alice")) and pool.cache.pinned(PageId("bob"))
+    pool.check()
+    pool.prefill(OTHER_LANE, 600)
+    pool.record(OTHER_LANE, "carol", 600)
+    # 2,300 cells with all three, 2,200 without alice (bob still holds the system prompt): both go.
+    assert pool.cache.pin(PageId("carol")) == ["alice", "bob"]
+    pool.check()
+
+
 class SharedCellsMachine(RuleBasedStateMachine):
     """Lanes prefill, reuse entries and record prefixes; the books never pass the cap in cells, and
     never evict while the cells held with the record would fit."""
