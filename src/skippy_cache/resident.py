@@ -354,6 +354,11 @@ class ResidentPrefixCache:
         decode) until the rent would exceed what bringing it back costs, then
         it goes. Rent and the cost of return both grow with the entry's cells,
         so one token count serves entries of every size. Oldest use first.
+
+        With the cell mirror, an idle entry whose every cell a staying sequence
+        holds too (a lane, or an entry in use that extends it: a chat's earlier
+        turn under its latest) pays no rent and stays: its going would free no
+        cell, narrow no view, and cost an export. It goes with the last holder.
         """
         if idle_tokens < 0:
             raise ResidentCacheError(f"idle_tokens must be >= 0, got {idle_tokens}")
@@ -363,6 +368,10 @@ class ResidentPrefixCache:
             for page_id, entry in self._entries.items()
             if self._work - entry.used_at_work > idle_tokens and page_id not in self._pins
         ]
+        if self._cells is not None and idle:
+            going = {self._entries[page_id].seq_id for _, _, page_id in idle}
+            staying = [seq for seq in self._cells.sequences() if seq not in going]
+            idle = [item for item in idle if not self._cells.covered(self._entries[item[2]].seq_id, staying)]
         return [self._evict(page_id, drop_evicted) for _, _, page_id in sorted(idle)]
 
     def clear(self, drop_evicted: DropEvicted) -> list[ResidentEviction]:

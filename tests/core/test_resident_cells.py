@@ -164,6 +164,38 @@ def test_pins_sharing_a_system_prompt_count_it_once() -> None:
     pool.check()
 
 
+def test_an_idle_entry_whose_cells_an_entry_in_use_holds_stays_until_that_one_goes_idle() -> None:
+    pool = Pool(cap=0)
+    pool.prefill(LANE, 500)
+    pool.record(LANE, "turn 1", 500)
+    pool.cells.seq_rm(LANE)
+    pool.hit(LANE, "turn 1", 500)
+    pool.prefill(LANE, 100)
+    pool.record(LANE, "turn 2", 600)
+    pool.cells.seq_rm(LANE)
+    pool.prefill(OTHER_LANE, 200)
+    pool.record(OTHER_LANE, "apart", 200)
+    pool.cells.seq_rm(OTHER_LANE)
+    pool.cache.advance_work(300)
+    pool.cache.touch(PageId("turn 2"))
+    # Both "turn 1" and "apart" are idle; "turn 2", in use, holds every cell of "turn 1".
+    assert [e.page_id for e in pool.cache.evict_idle(256, pool.drop)] == ["apart"]
+    pool.cache.advance_work(300)
+    assert [e.page_id for e in pool.cache.evict_idle(256, pool.drop)] == ["turn 1", "turn 2"]
+    assert pool.cells.used_cells == 0
+    pool.check()
+
+
+def test_an_idle_entry_a_running_lane_shares_stays() -> None:
+    pool = Pool(cap=0)
+    pool.prefill(LANE, 300)
+    pool.record(LANE, "prompt", 300)
+    pool.cache.advance_work(300)
+    assert pool.cache.evict_idle(256, pool.drop) == []
+    pool.cells.seq_rm(LANE)
+    assert [e.page_id for e in pool.cache.evict_idle(256, pool.drop)] == ["prompt"]
+
+
 class SharedCellsMachine(RuleBasedStateMachine):
     """Lanes prefill, reuse entries and record prefixes; the books never pass the cap in cells, and
     never evict while the cells held with the record would fit."""
