@@ -192,16 +192,19 @@ class CellMap:
         mask[cells[cells >= 0]] = True
         return int(np.count_nonzero(mask))
 
-    def covered(self, seq: int, by: Iterable[int]) -> bool:
-        """Does one of the sequences `by` hold each cell `seq` holds? (Then removing `seq` frees none.)"""
-        held = self._seqs.get(seq)
-        if held is None:
-            return True
+    def covered(self, seqs: Iterable[int], by: Iterable[int]) -> set[int]:
+        """Those of `seqs` each of whose cells one of the sequences `by` holds too: removing one of
+        them (and none of `by`) frees no cell."""
         mask = np.zeros(self.n_cells, np.bool_)
         for other in by:
-            if other != seq and (cells := self._seqs.get(other)) is not None:
-                mask[cells.cells[cells.cells >= 0]] = True
-        return bool(mask[held.cells[held.cells >= 0]].all())
+            if (held := self._seqs.get(other)) is not None:
+                mask[held.cells[held.cells >= 0]] = True
+        out = set()
+        for seq in seqs:
+            held = self._seqs.get(seq)
+            if held is None or mask[held.cells[held.cells >= 0]].all():
+                out.add(seq)
+        return out
 
     def cells_freed_by_removing(self, seqs: set[int]) -> int:
         """Cells that removing these sequences would free: those no other sequence holds."""

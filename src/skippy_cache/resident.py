@@ -112,14 +112,14 @@ class ResidentPrefixCache:
 
     With the pool's cell mirror (`cells`), `max_resident_tokens` caps the
     distinct cells the entries hold, and `max_pinned_tokens` those the pinned
-    ones hold; without it, their token counts summed. The pool shares cells between sequences
-    (`seq_cp` adds a sequence to cells, it copies none): a prompt's entries at
-    several lengths, its reply's entry, and an entry recorded from a lane that
-    reused another all hold cells of one prefix. Summing their token counts
-    counted those cells once per entry, which filled the budget several times
-    over and evicted entries that would have been hit. Eviction for cells then
-    prefers an entry whose going frees some: one that is a prefix of another
-    frees nothing.
+    ones hold; without it, their token counts summed. The pool shares cells
+    between sequences (`seq_cp` adds a sequence to cells, it copies none): a
+    prompt's entries at several lengths, its reply's entry, and an entry
+    recorded from a lane that reused another all hold cells of one prefix.
+    Summing their token counts counted those cells once per entry, which
+    filled the budget several times over and evicted entries that would have
+    been hit. Eviction for cells then prefers an entry whose going frees some:
+    one that is a prefix of another frees nothing.
     """
 
     def __init__(
@@ -371,7 +371,8 @@ class ResidentPrefixCache:
         if self._cells is not None and idle:
             going = {self._entries[page_id].seq_id for _, _, page_id in idle}
             staying = [seq for seq in self._cells.sequences() if seq not in going]
-            idle = [item for item in idle if not self._cells.covered(self._entries[item[2]].seq_id, staying)]
+            covered = self._cells.covered(going, staying)
+            idle = [item for item in idle if self._entries[item[2]].seq_id not in covered]
         return [self._evict(page_id, drop_evicted) for _, _, page_id in sorted(idle)]
 
     def clear(self, drop_evicted: DropEvicted) -> list[ResidentEviction]:
