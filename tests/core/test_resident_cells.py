@@ -37,6 +37,12 @@ class Pool:
         start = self.cells.pos_max(lane) + 1
         self.cells.decode([(lane, start, start + tokens)])
 
+    def request(self, lane: SeqId, page: str, tokens: int) -> None:
+        """A request on `lane` prefills `tokens` fresh cells, records them all as `page`, and ends."""
+        self.prefill(lane, tokens)
+        self.record(lane, page, tokens)
+        self.cells.seq_rm(lane)
+
     def hit(self, lane: SeqId, page: str, tokens: int) -> None:
         """The lane reuses an entry's first `tokens` cells (a resident hit)."""
         entry = self.cache.touch(PageId(page))
@@ -79,9 +85,7 @@ def test_entries_of_one_prompt_count_its_cells_once() -> None:
 
 def test_an_entry_recorded_from_a_lane_that_reused_another_counts_only_its_new_cells() -> None:
     pool = Pool(cap=1000)
-    pool.prefill(LANE, 700)
-    pool.record(LANE, "system", 700)
-    pool.cells.seq_rm(LANE)
+    pool.request(LANE, "system", 700)
     for turn in range(3):
         pool.hit(OTHER_LANE, "system", 700)
         pool.prefill(OTHER_LANE, 50)
@@ -97,9 +101,7 @@ def test_a_record_evicts_an_entry_that_frees_cells_before_an_older_prefix_that_f
     pool.record(LANE, "prefix 500", 500)
     pool.record(LANE, "whole 600", 600)
     pool.cells.seq_rm(LANE)
-    pool.prefill(OTHER_LANE, 300)
-    pool.record(OTHER_LANE, "other", 300)
-    pool.cells.seq_rm(OTHER_LANE)
+    pool.request(OTHER_LANE, "other", 300)
     pool.prefill(LANE, 150)
     # 900 cells held; 150 more need 50 freed. "prefix 500" is the least recently used, but
     # "whole 600" holds its cells: evicting it frees nothing. "whole 600" frees its last 100.
@@ -110,12 +112,8 @@ def test_a_record_evicts_an_entry_that_frees_cells_before_an_older_prefix_that_f
 
 def test_evicting_for_the_pool_skips_an_entry_whose_cells_a_lane_shares() -> None:
     pool = Pool(cap=0)
-    pool.prefill(LANE, 400)
-    pool.record(LANE, "shared", 400)
-    pool.cells.seq_rm(LANE)
-    pool.prefill(OTHER_LANE, 200)
-    pool.record(OTHER_LANE, "apart", 200)
-    pool.cells.seq_rm(OTHER_LANE)
+    pool.request(LANE, "shared", 400)
+    pool.request(OTHER_LANE, "apart", 200)
     pool.hit(LANE, "shared", 400)  # "shared" is now the most recently used, and a lane holds its cells
     pool.cache.touch(PageId("apart"))
     free = pool.cells.free_cells
@@ -144,9 +142,7 @@ def test_a_record_alone_over_the_cap_is_uncacheable_whatever_it_shares() -> None
 def test_pins_sharing_a_system_prompt_count_it_once() -> None:
     pool = Pool(cap=0)
     pool.cache.max_pinned_tokens = 2048
-    pool.prefill(LANE, 1500)
-    pool.record(LANE, "system", 1500)
-    pool.cells.seq_rm(LANE)
+    pool.request(LANE, "system", 1500)
     for user in ("alice", "bob"):
         pool.hit(LANE, "system", 1500)
         pool.prefill(LANE, 100)
@@ -166,16 +162,12 @@ def test_pins_sharing_a_system_prompt_count_it_once() -> None:
 
 def test_an_idle_entry_whose_cells_an_entry_in_use_holds_stays_until_that_one_goes_idle() -> None:
     pool = Pool(cap=0)
-    pool.prefill(LANE, 500)
-    pool.record(LANE, "turn 1", 500)
-    pool.cells.seq_rm(LANE)
+    pool.request(LANE, "turn 1", 500)
     pool.hit(LANE, "turn 1", 500)
     pool.prefill(LANE, 100)
     pool.record(LANE, "turn 2", 600)
     pool.cells.seq_rm(LANE)
-    pool.prefill(OTHER_LANE, 200)
-    pool.record(OTHER_LANE, "apart", 200)
-    pool.cells.seq_rm(OTHER_LANE)
+    pool.request(OTHER_LANE, "apart", 200)
     pool.cache.advance_work(300)
     pool.cache.touch(PageId("turn 2"))
     # Both "turn 1" and "apart" are idle; "turn 2", in use, holds every cell of "turn 1".
