@@ -182,29 +182,30 @@ class CellMap:
     def cells_held(self, seqs: Iterable[int], *, prefix: tuple[int, int] | None = None) -> int:
         """Distinct cells held by any of these sequences (a cell they share counts once), and with
         `prefix=(seq, n)` by `seq`'s positions below `n` (what a `seq_cp(seq, dst, 0, n)` would share)."""
-        held = [self._seqs[s].cells for s in seqs if s in self._seqs]
+        mask = self._mask(seqs)
         if prefix is not None and (source := self._seqs.get(prefix[0])) is not None:
-            held.append(source.window(source.first, max(prefix[1], source.first)))
-        if not held:
-            return 0
-        cells = np.concatenate(held)
-        mask = np.zeros(self.n_cells, np.bool_)
-        mask[cells[cells >= 0]] = True
+            window = source.window(source.first, max(prefix[1], source.first))
+            mask[window[window >= 0]] = True
         return int(np.count_nonzero(mask))
 
     def covered(self, seqs: Iterable[int], by: Iterable[int]) -> set[int]:
         """Those of `seqs` each of whose cells one of the sequences `by` holds too: removing one of
         them (and none of `by`) frees no cell."""
-        mask = np.zeros(self.n_cells, np.bool_)
-        for other in by:
-            if (held := self._seqs.get(other)) is not None:
-                mask[held.cells[held.cells >= 0]] = True
+        mask = self._mask(by)
         out = set()
         for seq in seqs:
             held = self._seqs.get(seq)
             if held is None or mask[held.cells[held.cells >= 0]].all():
                 out.add(seq)
         return out
+
+    def _mask(self, seqs: Iterable[int]) -> np.ndarray:
+        """A fresh mask of the cells any of these sequences holds."""
+        mask = np.zeros(self.n_cells, np.bool_)
+        for seq in seqs:
+            if (held := self._seqs.get(seq)) is not None:
+                mask[held.cells[held.cells >= 0]] = True
+        return mask
 
     def cells_freed_by_removing(self, seqs: set[int]) -> int:
         """Cells that removing these sequences would free: those no other sequence holds."""

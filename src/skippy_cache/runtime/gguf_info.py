@@ -122,7 +122,7 @@ def read_header(path: Path) -> GgufHeader:
 
     The gguf package's reader parses every value, the tokenizer's tens of
     thousands of strings included, which took seconds for each engine start.
-    Raises ValueError on anything it does not follow (`read_gguf_info` then
+    Raises ValueError on anything it does not follow (`load_header` then
     asks the gguf package, which reads more forms and words its errors).
     """
     with path.open("rb") as f:
