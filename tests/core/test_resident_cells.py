@@ -30,7 +30,6 @@ class Pool:
                                 max_resident_tokens=cap),
             cells=self.cells,
         )
-        self.dropped: list[str] = []
 
     def prefill(self, lane: SeqId, tokens: int) -> None:
         """The lane computes `tokens` more positions in fresh cells."""
@@ -60,7 +59,6 @@ class Pool:
 
     def drop(self, eviction: ResidentEviction) -> None:
         self.cells.seq_rm(eviction.seq_id)
-        self.dropped.append(eviction.page_id)
 
     def entry_cells(self) -> int:
         return self.cells.cells_held({e.seq_id for e in self.cache.entries()})
