@@ -213,8 +213,11 @@ class CellMap:
         if not held:
             return 0
         cells = np.concatenate(held)
-        counts = np.bincount(cells[cells >= 0], minlength=self.n_cells)
-        return int(np.count_nonzero((counts > 0) & (counts == self._holders)))
+        # A sequence holds a cell at most once, so a cell is freed when these sequences hold it as
+        # many times as it has holders. Counted over their cells, not the pool's: an eviction scan
+        # asks this of every candidate entry.
+        distinct, counts = np.unique(cells[cells >= 0], return_counts=True)
+        return int(np.count_nonzero(counts == self._holders[distinct]))
 
     def search_start(self, n_tokens: int) -> int:
         """The cell llama.cpp's `find_slot` starts from for a batch of `n_tokens`."""
