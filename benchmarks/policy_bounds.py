@@ -7,8 +7,8 @@ A block-level replay drives the production books (eviction.py) with the trace's 
 per capacity:
 
 - `lru`, `lrfu`: the production policies (the same figures as `skippy-cache replay`);
-- `lrfu + oracle`: LRFU where a block that *will* be used again gets the second-use bonus (one
-  turnover) and one that will not gets none: what a perfect predictor of reuse adds to LRFU;
+- `lrfu + oracle`: LRFU with a bonus of one turnover, which a block that *will* be used again gets
+  and one that will not does not: what a perfect predictor of reuse adds to LRFU;
 - `turn classes (fit)`: leaves ranked by their chance of reuse given how long they have been idle
   and the class of the request that last used them (its turn in its conversation: 0, 1, 2, 3, 4+;
   how many new blocks it added: 0-1, 2-3, more), with each class's chance of a next turn and the
@@ -53,7 +53,9 @@ def read(path: Path) -> list[Request]:
             n = (obj["input_length"] - 1) // BLOCK
             ids = tuple(obj["hash_ids"])
             length = obj["input_length"]
-            out.append(Request(obj["timestamp"] / 1000, length, ids[:n], (*ids, length)))
+            # Each request its own instant, as in `skippy-cache replay`: the timestamps repeat.
+            seconds = obj["timestamp"] / 1000 + len(out) * 1e-9
+            out.append(Request(seconds, length, ids[:n], (*ids, length)))
     return out
 
 
@@ -140,7 +142,7 @@ class OracleLrfu(LrfuBooks):
     """LRFU whose second-use bonus goes to exactly the blocks that will be used again."""
 
     def __init__(self, clock: Clock, uses: dict[object, list[float]]) -> None:
-        super().__init__(clock)
+        super().__init__(clock, bonuses=(1.0,))
         self._uses = uses
 
     def _rank(self, key: str) -> None:

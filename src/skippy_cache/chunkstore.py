@@ -58,6 +58,9 @@ class ChunkStoreStats:
     #: logical / physical; 0 when nothing added is held.
     dedup_ratio: float
     disk: DiskChunkStats | None
+    #: LRFU: the turnovers the RAM tier keeps a chunk used twice longer, as its shadow books chose
+    #: lately (eviction.py); None under LRU.
+    ram_eviction_bonus: float | None = None
 
 
 def slower(a: Tier | None, b: Tier | None) -> Tier | None:
@@ -282,6 +285,7 @@ class ChunkStore:
             physical_bytes=physical,
             dedup_ratio=logical / physical if physical else 0.0,
             disk=None if self.disk is None else self.disk.stats(),
+            ram_eviction_bonus=self._ram_books.bonus,
         )
 
     def check_invariants(self) -> None:

@@ -79,6 +79,8 @@ class DiskChunkStats:
     evictions: int
     quarantined: int
     root: str
+    #: LRFU: the turnovers the disk tier keeps a chunk used twice longer, as lately chosen; None under LRU.
+    eviction_bonus: float | None = None
 
 
 class DiskChunks:
@@ -353,6 +355,7 @@ class DiskChunks:
             evictions=self._evictions,
             quarantined=self._quarantined,
             root=str(self.root),
+            eviction_bonus=self._index.bonus,
         )
 
     def check_invariants(self) -> None:

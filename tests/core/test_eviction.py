@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skippy_cache.eviction import LrfuBooks, LruBooks, Policy, make_books
+from skippy_cache.eviction import LrfuBooks, LruBooks, Policy, _Shadow, make_books
 
 
 class Clock:
@@ -157,3 +157,102 @@ def test_books_stay_consistent_and_evict_only_leaves(policy: Policy, ops: list) 
     while held:
         victim, got = books.evict()  # never stuck: a victim is there while anything is held
         assert got == held.pop(victim)
+
+
+def test_a_new_bonus_reorders_leaves_already_ranked() -> None:
+    clock = Clock()
+    books = LrfuBooks(clock)
+    books.add("seed", 1)
+    clock.now = 10
+    books.evict()  # a time scale of 0.1 s
+    books.add("hot", 1)
+    clock.now = 10.01
+    books.touch("hot")  # used twice, last at 10.01
+    clock.now = 10.05
+    books.add("new", 1)
+    books.bonus = 0.0
+    assert books.evict()[0] == "hot"  # LRU's order: no touch needed to re-rank
+    books.add("hot", 1)
+    clock.now = 10.06
+    books.add("newer", 1)
+    books.bonus = 1.0
+    assert books.evict()[0] == "new"
+
+
+def _tier(books: LrfuBooks, clock: Clock, capacity: int, uses: list[tuple[float, str]]) -> int:
+    """Drive the books as a tier of `capacity` one-byte chunks does; the uses it finds held."""
+    served = 0
+    for when, key in uses:
+        clock.now = when
+        if key in books:
+            served += 1
+            books.touch(key)
+        else:
+            while books.bytes + 1 > capacity:
+                books.evict()
+            books.add(key, 1)
+        books.check_invariants()
+    return served
+
+
+def test_the_bonus_grows_when_chunks_used_again_return_after_more_than_a_turnover() -> None:
+    # Four chunks come back every 25 s; one new chunk a second fills a tier of ten, so a chunk
+    # unused for about 10 s goes. One turnover of bonus keeps a returning chunk ~20 s: too short.
+    uses = []
+    for t in range(3000):
+        uses.append((float(t), f"once{t}"))
+        if t % 25 < 4:
+            uses.append((t + 0.5, f"hot{t % 25}"))
+    clock = Clock()
+    books = LrfuBooks(clock)
+    served = _tier(books, clock, 10, uses)
+    assert books.bonus >= 2.0
+    fixed = LrfuBooks(clock := Clock(), bonuses=(1.0,))
+    assert served > _tier(fixed, clock, 10, uses) + 100
+
+
+def test_the_bonus_falls_to_lru_when_chunks_used_twice_never_return() -> None:
+    # Each chunk is used twice at once and never again; chunks used once come back after 12 s.
+    # Any bonus keeps the dead ones in place of those about to return.
+    uses = []
+    for t in range(3000):
+        uses += [(float(t), f"pair{t}"), (t + 0.1, f"pair{t}"), (t + 0.2, f"back{t}")]
+        if t >= 12:
+            uses.append((t + 0.3, f"back{t - 12}"))
+    clock = Clock()
+    books = LrfuBooks(clock)
+    served = _tier(books, clock, 40, uses)
+    assert books.bonus == 0.0
+    fixed = LrfuBooks(clock := Clock(), bonuses=(1.0,))
+    assert served > _tier(fixed, clock, 40, uses) + 100
+
+
+def test_a_shadow_counts_a_use_it_would_have_served_once_and_only_behind_its_prompt() -> None:
+    clock = Clock()
+    shadow = _Shadow(clock, 1.0)
+    shadow.see("a", 1, None, False, capacity=2)
+    shadow.see("b", 1, "a", False, capacity=2)
+    assert shadow.served == 0
+    clock.now = 1
+    shadow.see("a", 1, None, False, capacity=2)
+    shadow.see("a", 1, None, False, capacity=2)  # the same request writing what it read: one use
+    assert shadow.served == 1
+    clock.now = 2
+    shadow.see("x", 1, None, False, capacity=2)  # full: "b", the only leaf, goes
+    shadow.see("y", 1, None, False, capacity=2)  # then "a", a leaf now
+    assert "a" not in shadow and "b" not in shadow
+    shadow.see("b", 1, "a", False, capacity=2)  # "b" again, "a" still gone
+    clock.now = 3
+    shadow.see("b", 1, "a", False, capacity=2)  # held, but a lookup would stop at "a"
+    assert "b" in shadow and shadow.served == 1
+
+
+def test_one_bonus_is_fixed_and_none_is_refused() -> None:
+    books = LrfuBooks(Clock(), bonuses=(2.0,))
+    for i in range(50):
+        books.add(f"k{i}", 1)
+        if len(books) > 5:
+            books.evict()
+    assert books.bonus == 2.0
+    with pytest.raises(ValueError):
+        LrfuBooks(Clock(), bonuses=())

@@ -176,6 +176,9 @@ def test_cache_endpoint_reports_budgets_and_stats(server: LiveServer) -> None:
     chunks = store["chunks"]
     assert chunks["ram_max_bytes"] == server.engine.info.host_cache_bytes and chunks["disk"] is None
     assert 0 <= chunks["ram_bytes"] <= chunks["ram_max_bytes"]
+    # LRFU's bonus: one turnover until the RAM tier has evicted enough to judge its shadow books.
+    assert chunks["ram_eviction_bonus"] == 1.0
+    assert value(server.metrics(), "skippy_store_eviction_bonus", tier="ram") == 1.0
 
 
 @pytest.fixture(scope="module")

@@ -295,6 +295,16 @@ def _store_metrics(store: StoreStats | None) -> Iterator[Metric]:
         for family, value in zip(families, values, strict=True):
             family.add_metric([tier], value)
     yield from families
+    bonus = GaugeMetricFamily(
+        "skippy_store_eviction_bonus",
+        "LRFU: turnovers a chunk used twice stays longer, as the tier's shadow books chose lately",
+        labels=["tier"],
+    )
+    for tier, value in (("ram", chunks.ram_eviction_bonus if chunks else None),
+                        ("disk", disk.eviction_bonus if disk else None)):
+        if value is not None:
+            bonus.add_metric([tier], value)
+    yield bonus
     counters = {
         "skippy_store_misses": ("Chunk reads that found nothing", chunks.misses if chunks else 0),
         "skippy_store_quarantined": (

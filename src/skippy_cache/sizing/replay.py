@@ -46,6 +46,8 @@ from skippy_cache.tiers import CacheTiers, Query, Source
 
 #: The KV layout every replayed chunk is named under: one layout for the whole replay.
 LAYOUT = "replay"
+#: Seconds between two requests of a trace that share a timestamp (far below its millisecond grain).
+_INSTANT = 1e-9
 #: First-token logits a resident whole-prompt entry keeps (the plan asserts they exist).
 _NO_LOGITS = np.zeros(1, dtype=np.float32)
 
@@ -448,8 +450,10 @@ def replay(requests: Sequence[TraceRequest], config: ReplayConfig, *, count_from
     # Every key named so far: the infinite-cache bound, counted in the same pass (naming a prompt's
     # chunks hashes all its tokens, the replay's main cost).
     seen: set[str] = set()
-    for request in requests:
-        now[0] = request.seconds
+    for i, request in enumerate(requests):
+        # Each request its own instant (a trace's millisecond timestamps repeat), so that the books'
+        # "uses at one instant count once" joins a request's own uses and no two requests'.
+        now[0] = request.seconds + i * _INSTANT
         prompt = prompts.prompt(request)
         index = router.pick(prompt, request)
         counted = request.timestamp >= count_from_ms
