@@ -154,8 +154,9 @@ def test_the_key_may_come_as_x_api_key(key_server: LiveServer) -> None:
      "tool_use"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"tools": [{"name": "x", "input_schema": {"$ref": "#/nowhere"}}]}, "tool 'x'"),
+    ({"messages": [{"role": "user", "content": []}]}, "non-empty content"),
 ], ids=["image", "server-tool", "bad-name", "unknown-named", "orphan-result", "user-tool-use", "max-tokens",
-        "bad-schema"])
+        "bad-schema", "empty-turn"])
 def test_bad_input_is_a_400_in_anthropics_shape(server: LiveServer, change: dict, words: str) -> None:
     body = {"model": "m", "max_tokens": 4, "messages": MESSAGES, "tools": TOOLS, **change}
     response = server.http().post("/v1/messages", json=body)

@@ -177,3 +177,10 @@ def test_calls_keep_their_arguments_as_generated_and_unknown_or_broken_blocks_st
     # Another spelling of a known tool's call is a call; its arguments are re-serialised.
     _, [call] = split_reply('<tool_call>{"arguments": {"a": 1, "b": 2}, "name": "add"}</tool_call>', NAMES)
     assert (call.name, json.loads(call.arguments)) == ("add", {"a": 1, "b": 2})
+
+
+def test_tools_alone_render_as_a_system_message_when_no_message_is_left() -> None:
+    # An Anthropic body of only a prefill leaves no chat message before it; the tools still go first.
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]})
+    rendered = render_messages([], body.tools or [])
+    assert [m.role for m in rendered] == ["system"] and "get_weather" in (rendered[0].content or "")

@@ -270,6 +270,10 @@ def to_job(body: MessagesRequest, scope: Scope) -> ChatJob:
     called: set[str] = set()
     for k, message in enumerate(body.messages):
         last = k == len(body.messages) - 1
+        if not message.content and not (message.role == "assistant" and last):
+            # As Anthropic's API answers it; an empty turn would otherwise vanish from the prompt.
+            raise APIError(400, f"messages[{k}]: all messages must have non-empty content except for the "
+                           "optional final assistant message", param=f"messages[{k}].content", code="invalid_value")
         if message.role == "assistant" and last:
             prefill = _prefill(message, k)
             break

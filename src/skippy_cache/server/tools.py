@@ -89,7 +89,7 @@ def render_messages(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec],
         out.append(message)
     if tools and not native:
         block = tools_block(tools)
-        if out[0].role in ("system", "developer"):
+        if out and out[0].role in ("system", "developer"):
             first = out[0]
             out[0] = first.model_copy(update={"content": f"{first.content}\n\n{block}" if first.content else block})
         else:
