@@ -660,8 +660,13 @@ class ReferenceCache:
         e.used_at_work = self.work
         return (page, e.seq, e.tokens)
 
-    def victim(self) -> str | None:
-        return min(self.entries, key=lambda p: self.entries[p].last_used, default=None)
+    def victim(self, *, freeing_tokens: bool = False) -> str | None:
+        """The least recently used entry; with `freeing_tokens` (over the token cap alone) the least
+        recently used that holds a token first, as the cache picks: dropping an empty one frees none."""
+        order = sorted(self.entries, key=lambda p: self.entries[p].last_used)
+        if freeing_tokens:
+            order = [p for p in order if self.entries[p].tokens] + [p for p in order if not self.entries[p].tokens]
+        return order[0] if order else None
 
     def evict(self, page: str, fail_on: str | None) -> tuple:
         e = self.entries[page]
@@ -697,12 +702,15 @@ class ReferenceCache:
         ):
             raise ModelError
         evictions = []
-        while (
-            len(self.entries) + len(self.pending) + 1 > cfg.max_entries
-            or (cfg.max_bytes and self.nbytes() + nbytes > cfg.max_bytes)
-            or (cfg.max_resident_tokens and self.tokens() + tokens > cfg.max_resident_tokens)
-        ):
-            victim = self.victim()
+        while True:
+            over_entries_or_bytes = len(self.entries) + len(self.pending) + 1 > cfg.max_entries or (
+                cfg.max_bytes and self.nbytes() + nbytes > cfg.max_bytes
+            )
+            if not over_entries_or_bytes and not (
+                cfg.max_resident_tokens and self.tokens() + tokens > cfg.max_resident_tokens
+            ):
+                break
+            victim = self.victim(freeing_tokens=not over_entries_or_bytes)
             if victim is None:
                 raise ModelError
             evictions.append(self.evict(victim, fail_on))
@@ -942,6 +950,18 @@ class ResidentCacheMachine(RuleBasedStateMachine):
             assert model.nbytes() <= cfg.max_bytes
         if cfg.max_resident_tokens:
             assert model.tokens() <= cfg.max_resident_tokens
+
+
+def test_the_machine_over_the_token_cap_skips_an_empty_entry_as_the_cache_does() -> None:
+    # A case hypothesis found: an entry of 0 tokens frees nothing, so the cap's eviction passes it by.
+    machine = ResidentCacheMachine()
+    machine.setup(ResidentCacheConfig(max_entries=3, max_bytes=0, min_tokens=0, reserved_seq_count=0,
+                                      max_resident_tokens=100))
+    for page, tokens in (("p0", 0), ("p2", 100)):
+        machine.record_now(page, tokens, 0, None, commit=True)
+    machine.record_now("p1", 100, 0, None, commit=False)
+    machine.books_agree()
+    assert [e.page_id for e in machine.cache.entries()] == ["p0"]
 
 
 ResidentCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
