@@ -31,6 +31,11 @@ CASES = [
      "invalid_type"),
     ("temperature is a string", COMPLETIONS, {"prompt": "x", "temperature": "hot"}, 400, "temperature", None),
     ("temperature out of range", COMPLETIONS, {"prompt": "x", "temperature": 3.5}, 400, "temperature", None),
+    # The server's queue holds 4 (conftest.QUEUE): a fifth choice could never be queued, idle or not.
+    ("more choices than the queue holds", CHAT, {"messages": USER, "n": 5, "max_tokens": 1}, 400, "n",
+     "invalid_value"),
+    ("more completions than the queue holds", COMPLETIONS, {"prompt": "x", "n": 5, "max_tokens": 1}, 400, "n",
+     "invalid_value"),
     ("stream is a string", CHAT, {"messages": USER, "stream": "yes"}, 400, "stream", "invalid_type"),
     ("message content is a number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400,
      "messages[0].content", None),

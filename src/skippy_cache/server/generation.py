@@ -202,6 +202,11 @@ class Generation:
         """One engine request per choice (`n`), all with the same prompt: the first prefills it, the
         others share its cells in flight or reuse its entry, so a choice costs about its decode."""
         assert job.max_tokens is not None
+        if job.choices > (queue := self.engine.info.max_queue):
+            # Each choice waits in the queue: more than it holds could never be taken, and a 503's
+            # "retry later" would be retried for ever.
+            raise APIError(400, f"n={job.choices} asks for more choices than this server's queue holds ({queue}; "
+                           "--queue-size)", param="n", code="invalid_value")
         sampling = job.sampling
         runs: list[EngineRun] = []
         tenant = job.tenant

@@ -359,7 +359,8 @@ OPTIONS: tuple[Option, ...] = (
            "output lengths, salted hash ids of 512-token blocks, the tenant): no text or token can be recovered "
            "from it; the salt is kept in FILE.salt (default: no log)", "FILE"),
     Option("queue_size", "--queue-size", "SKIPPY_QUEUE_SIZE", "queue_size", _int(1),
-           "requests that may wait for a lane; beyond it 503 + Retry-After (default 64)", "N"),
+           "requests that may wait for a lane; beyond it 503 + Retry-After (default 64). Each choice of an "
+           "`n` waits there: an `n` above it is a 400", "N"),
     Option("max_queue_wait", "--max-queue-wait", "SKIPPY_MAX_QUEUE_WAIT", "max_queue_wait", _seconds,
            "seconds a request may wait for a lane: a new request that would wait longer (from how long "
            "requests held their lanes lately), or whose queue's oldest request has, gets 503 + Retry-After; "
