@@ -343,7 +343,7 @@ class LrfuBooks(_Lrfu):
             raise ValueError("LRFU needs a bonus to try")
         super().__init__(clock, bonus=1.0 if len(bonuses) > 1 else bonuses[0])
         self._shadows = [_Shadow(clock, bonus) for bonus in bonuses] if len(bonuses) > 1 else []
-        self._scores = [0.0] * len(bonuses)
+        self._scores = [0.0] * len(self._shadows)
         #: The most bytes these books have held: the shadows' capacity (a tier evicts only when full).
         self._capacity = 0
         self._evictions = 0  # since the shadows were last scored
