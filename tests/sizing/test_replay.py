@@ -135,6 +135,16 @@ def test_a_prompt_longer_than_the_pools_budget_goes_to_the_store_as_a_server_doe
     assert replay(trace, config(0, resident_tokens=3 * B)).total_hit_tokens == 0  # no store: kept nowhere
 
 
+def test_the_pools_cap_counts_cells_that_entries_share_once_as_a_server_does() -> None:
+    # Each prompt reuses the first's four blocks from the pool: the entries share those cells, so
+    # three entries hold 6 blocks of cells and all stay under a cap of 6. Summed token counts (4 + 5
+    # + 5) would have let the second entry go, and the last prompt would reuse 4 blocks, not 5.
+    trace = [request(0, [1, 2, 3, 4]), request(1, [1, 2, 3, 4, 5]), request(2, [1, 2, 3, 4, 6]),
+             request(3, [1, 2, 3, 4, 5, 7])]
+    figures = replay(trace, config(0, resident_tokens=6 * B))
+    assert figures.hit_tokens == {"resident": (4 + 4 + 5) * B}
+
+
 def test_requests_of_two_tenants_never_share() -> None:
     trace = [request(0, [1, 2], tenant="alice"), request(1, [1, 2], tenant="bob"), request(2, [1, 2], tenant="bob")]
     assert replay(trace, config()).total_hit_tokens == 2 * B

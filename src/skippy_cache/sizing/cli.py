@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk", default="0", help="disk tier per replica (default 0: none)")
     p.add_argument("--remote", default="0", help="one shared tier for all replicas (default 0: none)")
     p.add_argument("--resident", default="0",
-                   help="tokens each replica keeps in its llama.cpp pool (default 0: every entry goes to the store)")
+                   help="cells each replica's llama.cpp pool keeps for cache entries, a server's cap (half its "
+                        "--ctx-size); entries that share a prefix share its cells (default 0: every entry goes to "
+                        "the store)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-bytes-per-token", type=int,
                     help="KV state bytes per token (default: the --model's, at f16)")

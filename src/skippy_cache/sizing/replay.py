@@ -2,7 +2,9 @@
 
 Each replica is the serving path's core with no model under it:
 - `CacheTiers.plan` decides every hit, as it does for a live request;
-- the resident tier is `ResidentPrefixCache` with the token radix index (`PrefixIndex`);
+- the resident tier is `ResidentPrefixCache` with the token radix index (`PrefixIndex`), over
+  the pool's cell mirror (`CellMap`): a request's lane shares the cells of the entry it hits and
+  an entry recorded from it shares the lane's, so its cap counts shared cells once, as live;
 - the RAM and disk tiers are `ChunkStore` over `DiskChunks`, with their budgets and
   eviction policy; only their bytes are left out: a stored value is a `Placeholder` that
   has the chunk's size and nothing else, and the disk keeps its books and writes no file;
@@ -32,13 +34,14 @@ from pathlib import Path
 
 import numpy as np
 
+from skippy_cache.cells import CellMap
 from skippy_cache.chunks import Chunk, chunk_key, tail_key
 from skippy_cache.chunkstore import ChunkStore, Tier, slower
 from skippy_cache.config import LLAMA_MAX_SEQ, ResidentCacheConfig
 from skippy_cache.diskchunks import DiskChunks
 from skippy_cache.eviction import Policy
 from skippy_cache.identity import IdentityKey, PageId, PrefixHasher, PrefixIdentity
-from skippy_cache.resident import ResidentEviction, ResidentPrefixCache
+from skippy_cache.resident import ResidentEviction, ResidentPrefixCache, SeqId
 from skippy_cache.sharedorder import reused_keys
 from skippy_cache.sizing.sharedtier import ServerPolicy, SharedTier
 from skippy_cache.sizing.trace import BLOCK_TOKENS, SyntheticTokens, TraceRequest
@@ -48,6 +51,8 @@ from skippy_cache.tiers import CacheTiers, Query, Source
 LAYOUT = "replay"
 #: Seconds between two requests of a trace that share a timestamp (far below its millisecond grain).
 _INSTANT = 1e-9
+#: The sequence a request's lane is (the resident cache reserves two ids; entries take the others).
+_LANE = 0
 #: First-token logits a resident whole-prompt entry keeps (the plan asserts they exist).
 _NO_LOGITS = np.zeros(1, dtype=np.float32)
 
@@ -270,9 +275,13 @@ class Replica:
         disk = BooksOnlyDisk(caps.disk_bytes, config.policy, clock) if caps.disk_bytes > 0 else None
         self.chunks = ReplayChunks(caps.ram_bytes, disk, policy=config.policy, clock=clock)
         self.shared = shared
+        #: The pool's cells, mirrored as the server mirrors llama.cpp's: an entry recorded from a lane
+        #: that reused another shares that one's cells, so the resident cap counts them once. Twice the
+        #: resident budget, as a server's cap is half its pool; the rest is the lane's.
+        self.cells = CellMap(2 * caps.resident_tokens) if caps.resident_tokens > 0 else None
         resident = ResidentPrefixCache(ResidentCacheConfig(
             max_entries=LLAMA_MAX_SEQ - 2, max_bytes=0, min_tokens=min(64, c), reserved_seq_count=2,
-            max_resident_tokens=max(caps.resident_tokens, 1)))
+            max_resident_tokens=max(caps.resident_tokens, 1)), cells=self.cells)
         self.tiers = CacheTiers(resident, ReplayStore(self.chunks, c))
         #: Resident pages' prompts, to write their chunks when they leave the pool.
         self._resident_prompts: dict[PageId, Prompt] = {}
@@ -285,15 +294,37 @@ class Replica:
         remote_keys = self._fetch_shared(prompt, figures)
         query = Query(prompt.space, prompt.tokens[:-1], whole=prompt.whole, chunks=prompt.chunk_ids)
         hit = self.tiers.plan(query)
+        entry = None
         if hit.source is Source.RESIDENT:
             assert hit.page_id is not None
-            self.tiers.resident.touch(hit.page_id)
+            entry = self.tiers.resident.touch(hit.page_id)
             _count(figures, Source.RESIDENT, hit.length)
         elif hit.length:
             self._read(prompt, hit.length, hit.whole, remote_keys, figures)
-        if self._record(prompt) and self.shared is not None:
+        in_pool = self._fill_lane(len(prompt.tokens), entry.seq_id if entry is not None else None, hit.length)
+        if self._record(prompt, in_pool) and self.shared is not None:
             self._share(prompt, hit.length, hit.whole, figures)
+        if self.cells is not None:
+            self.cells.seq_rm(_LANE)
         return hit.length
+
+    def _fill_lane(self, n: int, entry: int | None, hit: int) -> bool:
+        """The lane's cells for an `n`-token prompt, as the pool gives them: the resident entry's first
+        `hit` shared (`seq_cp`), the rest new, evicting entries while no slot is free (as a server makes
+        room before a step). False when the prompt does not fit the pool (or there is no pool)."""
+        cells = self.cells
+        if cells is None or n > cells.n_cells:
+            return False
+        if entry is not None:
+            cells.seq_cp(entry, _LANE, 0, hit)
+        else:
+            hit = 0
+        while cells.find_slot(n - hit) is None:
+            if self.tiers.resident.evict_one_lru_entry(self._demote, pinned_too=True) is None:
+                return False
+            self._forget_left()
+        cells.decode([(_LANE, hit, n)])
+        return True
 
     def _read(self, prompt: Prompt, length: int, whole: bool, remote: set[str], figures: ReplayFigures) -> None:
         """Read the hit's chunks (as a restore does: each one a use), counting each one's tokens by its tier."""
@@ -330,11 +361,12 @@ class Replica:
             parent = key
         return fetched
 
-    def _record(self, prompt: Prompt) -> bool:
+    def _record(self, prompt: Prompt, in_pool: bool) -> bool:
         """Keep the request's state: in the pool when there is a resident tier (its chunks go to the store
-        when it leaves), else straight into the store. False when it is kept nowhere."""
+        when it leaves), else straight into the store. False when it is kept nowhere. `in_pool`: the lane
+        holds the prompt's cells."""
         if self.config.capacities.resident_tokens > 0:
-            return self._record_resident(prompt)
+            return self._record_resident(prompt, in_pool)
         self._write(prompt)
         return True
 
@@ -349,7 +381,7 @@ class Replica:
             [*prompt.chunk_keys, prompt.tail_key], [n * per_token for n in prompt_sizes(prompt, c)],
             reused=reused, tail_repeat_only=True)
 
-    def _record_resident(self, prompt: Prompt) -> bool:
+    def _record_resident(self, prompt: Prompt, in_pool: bool) -> bool:
         """Record the prompt in the pool, or in the store when it is longer than the pool's budget (as a
         server stores it from its lane); False when it is kept nowhere (shorter than `min_tokens`)."""
         resident = self.tiers.resident
@@ -357,15 +389,18 @@ class Replica:
         nbytes = n * self.config.kv_bytes_per_token
         if n < resident.config.min_tokens:
             return False
-        allocation = resident.allocate_for_record(prompt.page_id, n, nbytes, self._demote)
-        for page in self._left:
-            self.tiers.forget_if_gone(page)
-        self._left.clear()
+        if not in_pool:
+            self._write(prompt)
+            return True
+        allocation = resident.allocate_for_record(prompt.page_id, n, nbytes, self._demote, source=SeqId(_LANE))
+        self._forget_left()
         if not allocation.should_save:
             if allocation.reason == "uncacheable":
                 self._write(prompt)
                 return True
             return allocation.reason == "exists"
+        assert self.cells is not None
+        self.cells.seq_cp(_LANE, allocation.seq_id, 0, n)
         resident.commit_record(prompt.page_id, allocation.seq_id, n, nbytes)
         self.tiers.file(prompt.page_id, prompt.space, prompt.tokens)
         self.tiers.logits[prompt.page_id] = _NO_LOGITS
@@ -375,7 +410,15 @@ class Replica:
     def _demote(self, eviction: ResidentEviction) -> None:
         prompt = self._resident_prompts.pop(eviction.page_id)
         self._write(prompt)
+        assert self.cells is not None
+        self.cells.seq_rm(eviction.seq_id)
         self._left.append(eviction.page_id)
+
+    def _forget_left(self) -> None:
+        """Take the entries that left the pool out of the plan's index (a store may still hold them)."""
+        for page in self._left:
+            self.tiers.forget_if_gone(page)
+        self._left.clear()
 
     def _write(self, prompt: Prompt) -> None:
         """Add the prompt's chunks to this replica's store, first to last."""
