@@ -7,6 +7,8 @@ from prompts import make_tokens
 
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest, RequestError
 
+pytestmark = pytest.mark.model
+
 
 def test_fast_mode_hit_covers_exactly_the_shared_prefix(fast_engine):
     fast_engine.clear_cache()

@@ -12,6 +12,7 @@ not asserted here.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from conftest import cache
 from exactmode import assert_bit_exact
 from prompts import make_tokens
@@ -19,6 +20,8 @@ from prompts import make_tokens
 from skippy_cache.config import StageKvCacheMode
 from skippy_cache.runtime import Engine, EngineConfig, SamplingParams
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
+
+pytestmark = pytest.mark.model
 
 
 def test_full_repeat_gives_bit_identical_first_token(fast_engine):

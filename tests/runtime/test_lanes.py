@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from fastmode import LOGIT_TOLERANCE, assert_logits_close, max_diff
 from prompts import make_tokens
 
 from skippy_cache.runtime.native import SamplingParams
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
+
+pytestmark = pytest.mark.model
 
 
 def test_deterministic_mode_output_does_not_depend_on_what_ran_before(exact_engine):

@@ -8,6 +8,8 @@ from prompts import make_tokens
 from skippy_cache.runtime import Engine, EngineConfig
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
 
+pytestmark = pytest.mark.model
+
 
 @pytest.mark.timeout(600)
 def test_pool_overflow_is_absorbed_by_proactive_eviction():

@@ -21,7 +21,7 @@ from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
 from skippy_cache.runtime import DoneEvent, Engine, EngineConfig, Event, GenerationRequest
 from skippy_cache.runtime.remote import RemoteConfig
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.model]
 
 CHUNK = 256
 

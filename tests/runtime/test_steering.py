@@ -12,6 +12,8 @@ from skippy_cache.runtime.batching import Planned
 from skippy_cache.runtime.native import Batch
 from skippy_cache.runtime.requests import Event, GenerationRequest
 
+pytestmark = pytest.mark.model
+
 
 @pytest.fixture(scope="module")
 def engine():
