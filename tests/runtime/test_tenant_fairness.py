@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -17,9 +18,15 @@ def _discard(_event: object) -> None:
     pass
 
 
+#: A token no other request's question holds.
+_QUESTIONS = itertools.count(1_000_000)
+
+
 def queue(scheduler: Scheduler, tenant: str | None, *, prompt: int = 10, max_tokens: int = 6,
-          t_submit: float = 0.0) -> Waiting:
-    request = GenerationRequest(tokens=list(range(1, prompt + 1)), max_tokens=max_tokens, tenant=tenant)
+          t_submit: float = 0.0, start: int = 1, question: int = 0) -> Waiting:
+    """Queue a request whose prompt is `prompt` tokens from `start` on, then `question` more of its own."""
+    tokens = list(range(start, start + prompt)) + [next(_QUESTIONS)] * question
+    request = GenerationRequest(tokens=tokens, max_tokens=max_tokens, tenant=tenant)
     waiting = Waiting(RequestHandle(request), _discard, t_submit)
     scheduler.enqueue(waiting)
     return waiting
@@ -127,28 +134,71 @@ def test_the_wait_limit_looks_at_the_oldest_request_of_the_same_tenant() -> None
         queue(alone, None)
 
 
+def measured(scheduler: Scheduler) -> None:
+    """Rates as the engine measures them: 10 ms a prompt row, 50 ms a token, 10 tokens a request."""
+    scheduler.rates.step(100, 0, 1.0)
+    scheduler.rates.step(0, 2, 0.1)
+    scheduler.rates.finished(10)
+
+
 def test_a_request_that_would_wait_past_the_limit_is_refused_before_the_queue_s_head_has() -> None:
-    now = [0.0]
-    scheduler = Scheduler(lanes=2, n_ctx=10_000, max_queue=64, max_wait_s=12.0, clock=lambda: now[0])
-    assert scheduler.expected_wait(5) == 0.0  # nothing measured yet: no estimate
-    for _ in range(2):
-        queue(scheduler, None)
+    scheduler = Scheduler(lanes=2, n_ctx=100_000, max_queue=64, max_wait_s=12.0, clock=lambda: 0.0)
+    for start in (1_000, 2_000):
+        queue(scheduler, None, prompt=400, max_tokens=10, start=start)
         admit_and_run(scheduler)
-    now[0] = 10.0
-    for lane in list(scheduler.lanes):
-        scheduler.release(lane)
-    assert scheduler.held_s == 10.0
-    # Both lanes busy again; one frees every 10 / 2 s.
-    for _ in range(2):
-        queue(scheduler, None, t_submit=now[0])
-        admit_and_run(scheduler)
-    queue(scheduler, None, t_submit=now[0])  # nothing waits before it: it takes the next free lane
-    queue(scheduler, None, t_submit=now[0])  # two lanes must free first: about 10 s
-    with pytest.raises(QueueFullError, match="would wait about 15 s") as refused:
-        queue(scheduler, None, t_submit=now[0])
-    assert refused.value.retry_after_s == 3
+    queue(scheduler, None, prompt=400, max_tokens=10, start=3_000)
+    assert scheduler.expected_wait() == 0.0  # nothing measured yet: no estimate
+    measured(scheduler)
+    # Engine time: a running lane 399 rows (its prefill; the last token is decoded) x 10 ms + 10
+    # tokens x 50 ms = 4.49 s, a waiting request that shares nothing 400 x 10 ms + 0.5 s = 4.5 s.
+    # Behind 2 running and 1 waiting, a new request waits for 2 of the 3 to end.
+    assert scheduler.expected_wait() == pytest.approx((2 * 4.49 + 4.5) * 2 / 3)
+    queue(scheduler, None, prompt=400, max_tokens=10, start=4_000)
+    with pytest.raises(QueueFullError, match="would wait about 13 s") as refused:
+        queue(scheduler, None, prompt=400, max_tokens=10, start=5_000)
+    assert refused.value.retry_after_s == 2  # (2 x 4.49 + 2 x 4.5) x 3 / 4 = 13.5 s, 1.5 s past the limit
     # Another tenant with nothing waiting goes at the next free lane (turns), whatever waits.
-    queue(scheduler, "b", t_submit=now[0])
+    queue(scheduler, "b", prompt=400, start=6_000)
+
+
+def test_hits_queued_behind_cold_prompts_are_not_refused_for_the_cold_prompts_time() -> None:
+    # Four tenants' new system prompts are near the end of their prefill; their users' next questions
+    # wait. Each waiting request shares its system prompt with a running one (a join, or a hit once it
+    # is recorded): only its question and reply are work. Judged by how long the cold prompts held
+    # their lanes, such hits were refused that the server would have answered within seconds.
+    def running_cold(scheduler: Scheduler) -> None:
+        measured(scheduler)
+        for tenant in range(4):
+            queue(scheduler, None, prompt=600, max_tokens=16, start=10_000 * (tenant + 1), question=20)
+            lane = admit_and_run(scheduler)
+            assert lane is not None
+            lane.n_past = lane.prefill_end - 100  # 100 rows and 10 tokens left: 1.5 s
+
+    hits = Scheduler(lanes=4, n_ctx=100_000, max_queue=64, max_wait_s=15.0, clock=lambda: 0.0)
+    running_cold(hits)
+    for i in range(12):
+        queue(hits, None, prompt=600, max_tokens=16, start=10_000 * (i % 4 + 1), question=20)
+    assert all(w.new_rows == 20 for w in hits.waiting)
+    # 4 x 1.5 s running, 12 x (20 rows x 10 ms + 0.5 s) waiting; a 13th waits for 13 of 16 to end.
+    assert hits.expected_wait() == pytest.approx((4 * 1.5 + 12 * 0.7) * 13 / 16)
+    # Prompts nobody shares are 6.7 s of work each: a 4th waits (6 + 3 x 6.7) x 4 / 7 = 14.9 s and is
+    # taken, a 5th would wait (6 + 4 x 6.7) x 5 / 8 = 20.5 s.
+    cold = Scheduler(lanes=4, n_ctx=100_000, max_queue=64, max_wait_s=15.0, clock=lambda: 0.0)
+    running_cold(cold)
+    with pytest.raises(QueueFullError, match="would wait"):
+        for i in range(12):
+            queue(cold, None, prompt=620, max_tokens=16, start=100_000 * (i + 1))
+    assert len(cold.waiting) == 4
+
+
+def test_a_finished_prompt_counts_as_shared_for_the_requests_after_it() -> None:
+    scheduler = Scheduler(lanes=1, n_ctx=100_000, max_queue=64, max_wait_s=15.0, clock=lambda: 0.0)
+    queue(scheduler, None, prompt=600, start=1)
+    lane = admit_and_run(scheduler)
+    assert lane is not None
+    scheduler.release(lane)
+    queue(scheduler, None, prompt=600, start=1, question=5)
+    assert scheduler.waiting[0].new_rows == 5
 
 
 TENANTS = ["a", "b", "c", None]

@@ -322,7 +322,7 @@ class Engine:
             log.error("prefetch from the shared tier failed:\n%s", traceback.format_exc())
         with self._cv:
             self._prefetching.discard(waiting.handle)
-            self.scheduler.waiting.append(waiting)
+            self.scheduler.add_waiting(waiting)
             self._cv.notify()
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> Completion:
@@ -584,8 +584,10 @@ class Engine:
             self._decode_failures += 1
             self._fail_lanes([p.lane for p in planned], f"llama_decode failed with status {status}")
             return True
+        seconds = time.perf_counter() - t0
         prefill_tokens = sum(p.p1 - p.p0 for p in planned if p.row < 0)
-        self.cache.decoded(n_tokens, prefill_tokens, (time.perf_counter() - t0) * 1000)
+        self.cache.decoded(n_tokens, prefill_tokens, seconds * 1000)
+        self.scheduler.rates.step(prefill_tokens, sum(p.row >= 0 for p in planned), seconds)
         for item in planned:
             self._after_decode(item)
         self.cache.shed_idle()

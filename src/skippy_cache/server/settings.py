@@ -362,8 +362,8 @@ OPTIONS: tuple[Option, ...] = (
            "requests that may wait for a lane; beyond it 503 + Retry-After (default 64). Each choice of an "
            "`n` waits there: an `n` above it is a 400", "N"),
     Option("max_queue_wait", "--max-queue-wait", "SKIPPY_MAX_QUEUE_WAIT", "max_queue_wait", _seconds,
-           "seconds a request may wait for a lane: a new request that would wait longer (from how long "
-           "requests held their lanes lately), or whose queue's oldest request has, gets 503 + Retry-After; "
+           "seconds a request may wait for a lane: a new request that would wait longer (from the engine "
+           "time of the work ahead of it), or whose queue's oldest request has, gets 503 + Retry-After; "
            "past saturation this keeps time to first token bounded (default 15; 0: never)", "S"),
     Option("fast", "--fast", "SKIPPY_FAST", "fast", _bool,
            "fast mode: hits at any length, but output may move in the last float bits "
