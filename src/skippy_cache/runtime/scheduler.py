@@ -122,7 +122,6 @@ class Scheduler:
         self.lanes: list[Lane] = []
         #: Lane sequence ids 0..lanes-1, handed out from 0 up; a freed id is reused first.
         self._free_ids = list(range(lanes - 1, -1, -1))
-        self._n_lanes = lanes
         self._clock = clock
         #: Measured by the engine: what a prompt row and a generated token cost.
         self.rates = WorkRates()
