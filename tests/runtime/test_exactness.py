@@ -176,3 +176,26 @@ def test_a_last_token_decoded_after_a_hit_matches_one_decoded_with_the_last_rows
     assert on.stats.cached_tokens == len(first)
     assert_bit_exact(on, off, "a last token decoded after a hit")
     assert exact_engine.stats().placement.unaligned_steps == 0
+
+
+def test_the_team_size_moves_no_float_so_hits_survive_a_change_of_threads():
+    # The engine shrinks its team while other processes keep cores busy (threads.py): a prompt
+    # recorded by two threads and reused by one must still be the cache-off run of either.
+    on = Engine(EngineConfig(ctx_size=4096, lanes=4, threads=2, cache=cache(shared_prefix_record_limit=0)))
+    off = Engine(EngineConfig(ctx_size=4096, lanes=4, threads=1, cache=cache(mode=StageKvCacheMode.DISABLED)))
+    try:
+        prompts = _suite(on)
+        firsts = [GenerationRequest(tokens=p, max_tokens=16, keep_first_logits=True) for p in prompts[0::3]]
+        for request, cold in zip(firsts, on.generate_many(firsts), strict=True):
+            assert_bit_exact(cold, off.generate(request), "two threads cold against one")
+        on.call(lambda: on.ctx.set_threads(1))
+        rest = [GenerationRequest(tokens=p, max_tokens=16, keep_first_logits=True)
+                for i, p in enumerate(prompts) if i % 3]
+        hits = on.generate_many(rest[:4]) + on.generate_many(rest[4:])
+        for i, (request, hit) in enumerate(zip(rest, hits, strict=True)):
+            assert hit.stats.cached_tokens > 0
+            assert_bit_exact(hit, off.generate(request), f"hit {i} on one thread, recorded on two")
+        assert on.stats().placement.unaligned_steps == 0
+    finally:
+        on.close()
+        off.close()

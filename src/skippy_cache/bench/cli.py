@@ -24,6 +24,7 @@ from skippy_cache.bench.client import BenchClient, Reply
 from skippy_cache.bench.curves import SLO, OpenRequest, open_goals, rate_points, render_curves, write_curves
 from skippy_cache.bench.llamaserver import ENV as LLAMA_SERVER_ENV
 from skippy_cache.bench.llamaserver import find_llama_server
+from skippy_cache.bench.load import BackgroundLoad, background_load
 from skippy_cache.bench.openloop import DEFAULT_RATES, DEFAULT_REQUESTS, OPEN_WORKLOADS, OpenLoop, open_loop
 from skippy_cache.bench.replay import scaled
 from skippy_cache.bench.replicas import (
@@ -99,6 +100,8 @@ class BenchConfig:
     open_loop: OpenLoop | None = None
     #: The trace workload's requests (`--trace` without `--arrivals`).
     trace: list[TraceRequest] = field(default_factory=list)
+    #: Busy processes that run beside every target while it is measured (none: an idle machine).
+    background: BackgroundLoad = field(default_factory=BackgroundLoad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +259,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "that already saw this seed's",
     )
     parser.add_argument(
+        "--background-load",
+        default=None,
+        metavar="CORES",
+        help="measure on a busy machine: a busy process on each core listed (0,1), or 'any' for one "
+        "the kernel places (any,any for two), running while every target is measured",
+    )
+    parser.add_argument(
         "--reference",
         default=None,
         help=f"label the ratios and goals divide by (default: {SKIPPY}, else the first --url target, "
@@ -352,6 +362,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         replicas_fast=args.replicas_fast,
         open_loop=_open_loop(args, workloads),
         trace=_trace_requests(args, workloads, sizes),
+        background=BackgroundLoad.parse(args.background_load) if args.background_load else BackgroundLoad(),
     )
 
 
@@ -408,7 +419,8 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
     if redis_server is not None:
         setup = ReplicaSetup(config.replicas, model or Path(), config.ctx_size, log_dir, redis_server,
                              fast=config.replicas_fast)
-        replica_run, replica_part = asyncio.run(_drive_replicas(config, setup, run, console))
+        with background_load(config.background):
+            replica_run, replica_part = asyncio.run(_drive_replicas(config, setup, run, console))
     recorded = run or replica_run
     assert recorded is not None, "config_from_args leaves at least one workload"
     labels = [t.label for t in targets]
@@ -493,6 +505,7 @@ def _run_header(config: BenchConfig, model: Path | None, reference: str | None,
             "workloads": config.workloads,
             "sizes": asdict(config.sizes),
             "reference": reference,
+            "background_load": config.background.to_json(),
         },
     }
 
@@ -525,7 +538,11 @@ def _measure_targets(
         for t in targets:
             state = f"[red]NOT READY: {t.error}[/]" if t.error else "[green]ready[/]"
             console.print(f"  {t.label:<28} {t.url:<24} {state}", highlight=False)
-        outcome = asyncio.run(drive(targets))
+        if config.background.cores:
+            console.print(f"background load: {config.background.describe()}, from the first request to the last",
+                          highlight=False)
+        with background_load(config.background):
+            outcome = asyncio.run(drive(targets))
     return targets, outcome
 
 

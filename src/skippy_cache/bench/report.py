@@ -15,6 +15,7 @@ from skippy_cache.bench.summary import ALONE_VS_SHARED, SHARED_VS_SINGLE, Figure
 
 _FORMATS = {
     "ms": "{:.1f} ms",
+    "s": "{:.1f} s",
     "req/s": "{:.2f}/s",
     "tok/s": "{:.0f}/s",
     "%": "{:.0f}%",

@@ -115,7 +115,11 @@ def _rows(workload: str, ms: list[Measurement], spans: list[Span], sizes: Sizes)
                 (f"turn {turn}: TTFT p50", "ms", "lower", percentile(_ttfts(group), 50)),
                 (f"turn {turn}: cached share", "%", "higher", _cached_share(group)),
             ]
-        rows.append(("all turns: cached share", "%", "higher", _cached_share(ms)))
+        rows += [
+            ("all turns: cached share", "%", "higher", _cached_share(ms)),
+            # What a busy machine costs shows here first: every turn's prefill and every reply token.
+            ("all turns: wall time", "s", "lower", _wall_s(spans, "chat", ms[0].target) if ms else None),
+        ]
     elif workload == AGENT:
         rows += _agent_rows(ms, sizes)
     elif workload == TRACE:

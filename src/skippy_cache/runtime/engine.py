@@ -51,7 +51,6 @@ from skippy_cache.runtime.info import (
     EngineStats,
     PoolAudit,
     PoolView,
-    available_cores,
 )
 from skippy_cache.runtime.lane import Lane, Phase
 from skippy_cache.runtime.logprobs import token_logprobs
@@ -87,6 +86,7 @@ from skippy_cache.runtime.startup import StartupError
 from skippy_cache.runtime.statestore import open_store
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.runtime.textstream import TextStream
+from skippy_cache.runtime.threads import ThreadGovernor, cpu_budget, wait_policy
 from skippy_cache.runtime.weightprobe import layout_for
 from skippy_cache.stateformat import Layout, StateFormatError, parse_sections
 from skippy_cache.tiers import CacheTiers
@@ -138,7 +138,8 @@ class Engine:
         budgets = ResidentCacheConfig.from_stage(stage, config.cache)
         policy = PrefixCandidatePolicy.from_cache(config.cache)
         det = config.deterministic
-        threads = config.threads or available_cores()
+        cpus = cpu_budget()
+        threads = config.threads or cpus.threads
         context = ContextParams(
             n_ctx=config.ctx_size,
             n_batch=config.n_batch,
@@ -215,6 +216,9 @@ class Engine:
             n_ctx=self.pool.n_ctx,
             lanes=config.lanes,
             threads=threads,
+            threads_adapt=config.threads is None,
+            cpus=cpus,
+            wait_policy=wait_policy(),
             n_batch=config.n_batch,
             deterministic=det,
             mode=mode,
@@ -238,6 +242,8 @@ class Engine:
         self._cv = threading.Condition()
         self._closing = False
         self._steps = 0
+        #: Without `--threads`: the team each step runs with follows the machine's load.
+        self._governor = ThreadGovernor(cpus) if config.threads is None else None
         self._decode_failures = 0
         #: Lone decode steps that fed a guessed token (drafts.py), and those whose guess was taken.
         self._guesses = 0
@@ -475,6 +481,8 @@ class Engine:
             requests_done=self._requests_done,
             prompt_tokens=self._prompt_tokens,
             cached_tokens=self._cached_tokens,
+            threads=self._governor.threads if self._governor is not None else self.info.threads,
+            cpu_others=self._governor.others if self._governor is not None else 0.0,
         )
 
     def close(self, drain: bool = True, timeout: float | None = 60.0) -> None:
@@ -546,6 +554,10 @@ class Engine:
                 self.placement.clear_pads()  # kept between steps only while lanes run
 
     def _step(self) -> bool:
+        if self._governor is not None:
+            threads = self._governor.poll()
+            if threads is not None:
+                self.ctx.set_threads(threads)
         self._reap_cancelled()
         self._admit()
         for lane in self.joins.poll(self.scheduler.lanes):

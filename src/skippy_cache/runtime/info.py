@@ -17,6 +17,7 @@ from skippy_cache.family import Family
 from skippy_cache.runtime.gguf_info import GgufInfo
 from skippy_cache.runtime.remote import RemoteConfig, RemoteStats
 from skippy_cache.runtime.steering import PlacementStats
+from skippy_cache.runtime.threads import CpuBudget, cpu_budget
 from skippy_cache.runtime.weightprobe import WeightLayout
 from skippy_cache.tiers import CacheStats
 from skippy_cache.weights import WeightRepack
@@ -32,10 +33,8 @@ def default_host_cache_bytes() -> int:
 
 
 def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    """The llama.cpp threads this process should run: its affinity's cores, capped by a cgroup quota."""
+    return cpu_budget().threads
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +48,8 @@ class EngineConfig:
     #: tokens than this (batching.py): about where a CPU matmul stops getting
     #: cheaper per token (docs/scheduling.md has the measurements).
     fill_tokens: int = 128
-    #: None: every available core.
+    #: None: the cores this process may use (affinity and cgroup quota), of which each step takes
+    #: those other processes leave free (threads.py); a number: that many, always.
     threads: int | None = None
     cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
     type_k: str = "f16"
@@ -125,7 +125,14 @@ class EngineInfo:
     weight_layout: str
     n_ctx: int
     lanes: int
+    #: llama.cpp threads at most (all of them, always, with `--threads`).
     threads: int
+    #: Whether each step's team shrinks to the cores other processes leave free (no `--threads`).
+    threads_adapt: bool
+    #: The cores the process may use, which set the default thread count.
+    cpus: CpuBudget
+    #: How llama.cpp's OpenMP threads wait at a graph's barriers (the start-up block's words).
+    wait_policy: str
     n_batch: int
     deterministic: bool
     #: The cache mode in force, the one configured, and why they differ.
@@ -171,6 +178,10 @@ class EngineStats:
     requests_done: int
     prompt_tokens: int
     cached_tokens: int
+    #: llama.cpp threads the next step runs with, and the cores' worth of this process's CPUs
+    #: that other processes used lately (threads.py).
+    threads: int = 1
+    cpu_others: float = 0.0
     #: The shared tier's figures (None: no shared tier), read when asked for.
     remote: RemoteStats | None = None
 

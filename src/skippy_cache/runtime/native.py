@@ -234,6 +234,10 @@ class NativeContext:
         self.n_ctx = ll.llama_n_ctx(self.ptr)
         self.memory = ll.llama_get_memory(self.ptr)
 
+    def set_threads(self, n_threads: int) -> None:
+        """The team the next decodes run with (one thread: no OpenMP team, no barriers)."""
+        ll.llama_set_n_threads(self.ptr, n_threads, n_threads)
+
     def decode(self, batch: Batch) -> int:
         """`llama_decode`; 0 on success (1: no KV slot, <0: error; memory is restored)."""
         return int(ll.llama_decode(self.ptr, batch.native(batch.n_tokens)))

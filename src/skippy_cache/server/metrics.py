@@ -157,6 +157,12 @@ class EngineCollector(Collector):
             "skippy_lanes_total": ("Execution lanes", s.lanes_total),
             "skippy_lanes_busy": ("Lanes running a request", s.lanes_busy),
             "skippy_queue_depth": ("Requests waiting for a lane", s.queue_depth),
+            "skippy_engine_threads": (
+                "llama.cpp threads the next step runs with (fewer while other processes keep cores busy)", s.threads
+            ),
+            "skippy_cpu_others_cores": (
+                "Cores' worth of this process's CPUs that other processes used lately", s.cpu_others
+            ),
             "skippy_kv_cells_total": ("KV cells in the pool (n_ctx)", s.n_ctx),
             "skippy_kv_cells_used": ("KV cells held by lanes and cache entries", s.used_cells),
             "skippy_kv_cells_reserved": ("KV cells reserved by running requests", s.reserved_cells),

@@ -63,6 +63,14 @@ def weights_line(info: EngineInfo) -> str:
     return f"{buffers} ({reason}; {weights.check})"
 
 
+def threads_line(info: EngineInfo) -> str:
+    """How many llama.cpp threads, where the count came from, and whether steps adapt it."""
+    if not info.threads_adapt:
+        return f"{info.threads} for llama.cpp, always (--threads; {info.cpus.describe()})"
+    return (f"up to {info.threads} for llama.cpp ({info.cpus.describe()}), each step on the cores "
+            "other processes leave free")
+
+
 def startup_report(engine: Engine, settings: ServerSettings, chat: ChatFormatter) -> str:
     """The one block logged at start: model, the chat template the app renders with and what it
     renders, pool, derived cache budgets."""
@@ -88,7 +96,9 @@ def startup_report(engine: Engine, settings: ServerSettings, chat: ChatFormatter
         f"            ({chat.caps.describe()})",
         f"  memory    {info.family.describe()}",
         f"  weights   {weights_line(info)}",
-        f"  pool      n_ctx {info.n_ctx} cells, {info.lanes} lanes, {info.threads} threads, "
+        f"  threads   {threads_line(info)}",
+        f"            {info.wait_policy}",
+        f"  pool      n_ctx {info.n_ctx} cells, {info.lanes} lanes, "
         f"n_seq_max {budgets.n_seq_max}, n_batch {info.n_batch}, "
         f"{'exact' if info.deterministic else 'fast'} mode",
         f"  cache     mode {mode}, max entries {budgets.max_entries}, token cap {token_cap}, "

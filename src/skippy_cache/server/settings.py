@@ -337,7 +337,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("lanes", "--lanes", "SKIPPY_LANES", "lanes", _int(1, 64),
            "requests decoded concurrently (default 4)", "N"),
     Option("threads", "--threads", "SKIPPY_THREADS", "threads", _int(1),
-           "CPU threads for llama.cpp (default: all available cores)", "N"),
+           "CPU threads for llama.cpp (default: the cores this process may use: its CPU affinity, capped "
+           "by a cgroup CPU quota)", "N"),
     Option("weight_repack", "--weight-repack", "SKIPPY_WEIGHT_REPACK", "weight_repack",
            _wrap(parse_weight_repack), "let llama.cpp repack the weights for faster CPU kernels (AMX, "
            "CPU_REPACK): auto (default: on, except AMX, which faults on current Xeons), on, off; the chosen "
