@@ -383,7 +383,15 @@ def make_private_dirs(path: Path) -> None:
 
 
 def _refuse_if_others_can_write(root: Path) -> None:
-    mode = stat.S_IMODE(os.stat(root).st_mode)
+    st = os.stat(root)
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != os.geteuid():
+        # Its owner can write it whatever the mode says (chmod is theirs), and plant chunks.
+        raise CacheDirUnsafe(
+            f"cache directory {root} belongs to another user (uid {st.st_uid}; this server runs as uid "
+            f"{os.geteuid()}), who can write it and swap the chunks kept there: pass a --cache-dir of "
+            "this user's (a path that does not exist yet is created with mode 0700)"
+        )
     if mode & _OTHERS_WRITE:
         # Not tightened for the operator: the directory may be shared on purpose (/tmp is), and a
         # chmod there would break others; not used either, as whoever can write it can swap chunks.

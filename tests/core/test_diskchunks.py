@@ -295,6 +295,21 @@ def test_what_the_disk_tier_creates_is_private_whatever_the_umask(
     assert {str(p): mode(p) for p in files} == {str(p): 0o600 for p in files}
 
 
+def test_a_root_another_user_owns_is_refused_whatever_its_mode(tmp_path: Path) -> None:
+    # As root (CI) the test hands a directory to another user; as anyone else, "/" is root's.
+    if os.geteuid() == 0:
+        root = tmp_path / "theirs"
+        root.mkdir(mode=0o700)
+        os.chown(root, 65534, 65534)
+    else:
+        root = Path("/")
+    with pytest.raises(CacheDirUnsafe) as e:
+        open_disk(root)
+    assert f"cache directory {root} belongs to another user (uid {root.stat().st_uid}" in str(e.value)
+    if os.geteuid() == 0:
+        assert list(root.iterdir()) == []
+
+
 @pytest.mark.parametrize("root_mode", [0o770, 0o702, 0o1777], ids=["group", "world", "sticky-like-tmp"])
 def test_a_root_other_users_can_write_is_refused_naming_the_fix(tmp_path: Path, root_mode: int) -> None:
     root = tmp_path / "shared"

@@ -191,6 +191,36 @@ def test_the_grammar_binds_sampling_at_temperature_too(fast_engine):
     assert type(json.loads(out.text)["age"]) is int
 
 
+def test_a_grammar_that_allows_no_token_ends_its_request_alone(exact_engine):
+    """A schema whose pattern admits no character parses, then refuses every token: that request
+    ends with the reason, and a request decoding beside it gets exactly the tokens it gets alone."""
+    other = GenerationRequest(tokens=chat_prompt(exact_engine, "Name three rivers."), max_tokens=24,
+                              record=False, lookup=False)
+    alone = exact_engine.generate(other)
+    impossible = json_grammar({"type": "string", "pattern": "^[^\\x00-\\U0010FFFF]$"})
+    doomed = GenerationRequest(tokens=chat_prompt(exact_engine, "Say anything."), max_tokens=24,
+                               sampling=SamplingParams(grammar=impossible))
+    results: dict[str, DoneEvent] = {}
+    finished = threading.Semaphore(0)
+
+    def sink_for(name: str):
+        def sink(event) -> None:
+            if isinstance(event, DoneEvent):
+                results[name] = event
+                finished.release()
+        return sink
+
+    exact_engine.submit(other, sink_for("other"))
+    exact_engine.submit(doomed, sink_for("doomed"))
+    for _ in range(2):
+        assert finished.acquire(timeout=300)
+    assert results["doomed"].finish_reason is FinishReason.ERROR
+    assert "allows no token" in results["doomed"].error
+    assert results["other"].finish_reason is alone.finish_reason
+    assert tuple(results["other"].tokens) == tuple(alone.tokens)
+    assert exact_engine.stats().lanes_busy == 0 and not exact_engine.invariant_failures
+
+
 def test_a_lazy_grammar_holds_from_its_trigger_on(fast_engine):
     """Free text until a token ends the output with the trigger, then the grammar, then the end;
     a trigger inside a token that runs past it leaves the output free."""

@@ -87,6 +87,30 @@ CASES = [
      None),
     ("stop of wrong type", COMPLETIONS, {"prompt": "x", "stop": 7}, 400, "stop", None),
     ("empty cache_salt", COMPLETIONS, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt", None),
+    ("JSON nested 100,000 deep", COMPLETIONS, '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None,
+     "invalid_json"),
+    ("a lone surrogate in a message", CHAT, '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None,
+     "invalid_json"),
+    ("a lone surrogate in a prompt", COMPLETIONS, '{"prompt": "x\\udc00"}', 400, None, "invalid_json"),
+    ("a logit_bias key that is a superscript digit", COMPLETIONS, {"prompt": "x", "logit_bias": {"\u00b2": 1}},
+     400, "logit_bias", None),
+    ("a logit_bias key of 5,000 digits", COMPLETIONS, {"prompt": "x", "logit_bias": {"9" * 5000: 1}}, 400,
+     "logit_bias", None),
+    # A count the grammar writes out rule by rule: at 200,000 llama.cpp's grammar parser overflowed the
+    # stack and ended the process; 50,000,000 took 10 s and 2.4 GB to write out.
+    ("a schema string of 200,000 characters at most", CHAT,
+     {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+         "name": "s", "schema": {"type": "string", "maxLength": 200_000}}}}, 400, "response_format", None),
+    ("a schema string of 50,000,000 characters at least", COMPLETIONS,
+     {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+         "name": "s", "schema": {"type": "string", "minLength": 50_000_000}}}}, 400, "response_format", None),
+    ("a schema pattern repeated 10**9 times", CHAT,
+     {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+         "name": "s", "schema": {"type": "string", "pattern": "^a{1000000000}$"}}}}, 400, "response_format", None),
+    ("a tool parameter of 200,000 items at most", CHAT,
+     {"messages": USER, "tool_choice": "required", "tools": [{"type": "function", "function": {
+         "name": "f", "parameters": {"type": "object", "properties": {
+             "xs": {"type": "array", "items": {"type": "integer"}, "maxItems": 200_000}}}}}]}, 400, "tools", None),
     ("stream_options wrong type", CHAT, {"messages": USER, "stream_options": {"include_usage": "y"}}, 400,
      "stream_options.include_usage", None),
 ]
@@ -143,3 +167,19 @@ def test_healthy_after_bad_requests(server: LiveServer) -> None:
                                              temperature=0)
     assert out.choices[0].finish_reason in ("stop", "length")
     server.wait_idle()
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/messages", "/v1/responses"], ids=["chat", "messages", "responses"])
+@pytest.mark.parametrize("raw", [
+    '{"model": "m", "max_tokens": 4, "input": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    '{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "a\\ud800b"}], "input": "a\\udfffb"}',
+], ids=["nested-100000-deep", "lone-surrogate"])
+def test_a_body_no_api_can_read_is_a_400_in_each_apis_shape(server: LiveServer, path: str, raw: str) -> None:
+    with server.http(timeout=30) as http:
+        response = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    body = response.json()
+    if path == "/v1/messages":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    else:
+        assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "invalid_json", body

@@ -5,6 +5,7 @@ answered."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -257,3 +258,31 @@ def test_the_trace_log_names_tenants_never_keys(traced_server: tuple[LiveServer,
     raw = log.read_text()
     assert all(key not in raw and hash_key(key) not in raw for key in (ALICE, BOB, CAROL, ROOT))
     assert "the trace log" not in raw and "quick brown fox" not in raw
+
+
+def test_a_request_that_fails_unexpectedly_gives_its_tenants_slots_back(
+        tenant_server: LiveServer, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any exception while a request's choices are submitted hands their slots back: one the server
+    did not foresee (its 500) once kept them, and every later request of the tenant was a 429."""
+    submit = engine.submit
+
+    def fail_the_second(request, sink):
+        if len(calls) == 1:
+            calls.append(request)
+            raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+        calls.append(request)
+        return submit(request, sink)
+
+    calls: list[object] = []
+    monkeypatch.setattr(engine, "submit", fail_the_second)
+    body = {"prompt": "slots", "max_tokens": 2, "n": TENANT_LIMIT}
+    # The 500 is sent, then the exception ends the connection: either may reach the client first.
+    with (tenant_server.http(headers={"Authorization": f"Bearer {BOB}"}, timeout=60) as http,
+          contextlib.suppress(httpx.TransportError)):
+        assert http.post("/v1/completions", json=body).status_code == 500
+    assert len(calls) == 2
+    monkeypatch.setattr(engine, "submit", submit)
+    with tenant_server.http(headers={"Authorization": f"Bearer {BOB}"}, timeout=60) as http:
+        for _ in range(2):
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text

@@ -601,7 +601,10 @@ class Engine:
         self.cache.decoded(n_tokens, prefill_tokens, seconds * 1000)
         self.scheduler.rates.step(prefill_tokens, sum(p.row >= 0 for p in planned), seconds)
         for item in planned:
-            self._after_decode(item)
+            try:
+                self._after_decode(item)
+            except NativeError as exc:
+                self._lane_fault(item.lane, exc)
         self.cache.shed_idle()
         if self.cache.shares:
             # New entries reach the shared tier while this replica still holds them.
@@ -633,7 +636,13 @@ class Engine:
                 admission = self.scheduler.admit()
             if admission is None:
                 return
-            self._start_lane(admission)
+            try:
+                self._start_lane(admission)
+            except NativeError as exc:
+                lane = next((lane for lane in self.scheduler.lanes if lane.handle is admission.waiting.handle), None)
+                if lane is None:  # it failed before it had a lane: the step's own handler frees the rest
+                    raise
+                self._lane_fault(lane, exc)
 
     def _start_lane(self, admission: Admission) -> None:
         waiting = admission.waiting
@@ -771,6 +780,12 @@ class Engine:
         finally:
             with self._cv:
                 self.scheduler.release(lane)
+
+    def _lane_fault(self, lane: Lane, exc: NativeError) -> None:
+        """One request's own sampler failed (a grammar that allows no token, say): that request ends
+        with the reason, and the step goes on for every other lane."""
+        log.warning("request on lane %d ended: %s", lane.seq_id, exc)
+        self._fail_lanes([lane], f"the request's sampling failed: {exc}")
 
     def _fail_lanes(self, lanes: list[Lane], message: str) -> None:
         for lane in lanes:

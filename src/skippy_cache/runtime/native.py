@@ -409,10 +409,44 @@ def _converter() -> SchemaConverter:
     return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
+#: The largest repetition a schema may ask for (`minLength`, `maxItems`, a pattern's `{n,m}`, ...).
+#: The converter writes a count out as that many grammar rules: past a few thousand llama.cpp's
+#: recursive grammar parser refuses the grammar, and at 200,000 it overflowed the stack and ended
+#: the process; a `minLength` of 50,000,000 took 10 s and 2.4 GB to write out.
+MAX_SCHEMA_REPEAT = 1000
+_COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+def check_schema_bounds(schema: object) -> None:
+    """ValueError naming the first keyword whose count is past `MAX_SCHEMA_REPEAT` (walked without
+    recursion: the schema's depth is the client's to choose)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key in _COUNT_KEYWORDS and isinstance(value, int | float) and value > MAX_SCHEMA_REPEAT:
+                raise ValueError(f"{key} {value} is past what this server turns into a grammar "
+                                 f"(at most {MAX_SCHEMA_REPEAT})")
+            if key == "pattern" and isinstance(value, str):
+                for low, high in _QUANTIFIER.findall(value):
+                    if any(len(n) > 6 or int(n) > MAX_SCHEMA_REPEAT for n in (low, high) if n):
+                        raise ValueError(f"pattern repeats {{{low}{',' + high if high else ''}}} times, past what "
+                                         f"this server turns into a grammar (at most {MAX_SCHEMA_REPEAT})")
+            if isinstance(value, dict | list):
+                stack.append(value)
+
+
 def _visit(converter: SchemaConverter, schema: dict, url: str, name: str) -> None:
     """Add `schema`'s rules under `name`; whatever the converter's walk raises becomes one ValueError.
 
     The converter rewrites `$ref`s in place: it gets a copy, never the request's own schema."""
+    check_schema_bounds(schema)
     try:
         converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), url), name)
     except RecursionError:

@@ -242,12 +242,15 @@ class Generation:
                     prefix_ends=prompt.prefix_ends,
                 )
                 runs.append(EngineRun(self.engine, request, on_done=done))
-        except (RequestError, QueueFullError, EngineClosedError) as exc:
-            # The runs submitted give theirs back with their DoneEvent (cancelled); the rest now.
+        except BaseException as exc:
+            # The runs submitted give theirs back with their DoneEvent (cancelled); the rest now, on
+            # every path: a slot kept here is the tenant's for good, and its requests 429s.
             self.tenant_requests.release(tenant, job.choices - len(runs))
             for run in runs:
                 run.cancel()
-            raise from_engine_error(exc, prompt_param=prompt_param) from None
+            if isinstance(exc, RequestError | QueueFullError | EngineClosedError):
+                raise from_engine_error(exc, prompt_param=prompt_param) from None
+            raise
         return EngineRuns(runs)
 
     async def _respond(self, request: Request, runs: EngineRuns, body: CompletionRequest | ChatCompletionRequest,
@@ -388,8 +391,18 @@ async def parse_body(request: Request, model: type[T]) -> T:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    # JSON may escape half of a UTF-16 pair (`"\ud800"`): Python keeps it as a lone surrogate, which
+    # no tokenizer or encoder takes, so it would fail far from here as a 500. Only an escape makes one.
+    if b"\\u" in raw:
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
+                                "which is no Unicode character", code="invalid_json") from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -248,8 +248,9 @@ class _GenerationFields(Strict):
     @classmethod
     def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            # isdigit alone takes "²" and any length, which int() then refuses.
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"keys must be token ids, got {key[:20]!r}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"a bias must be within -{MAX_LOGIT_BIAS:g}..{MAX_LOGIT_BIAS:g}, got {bias}")
         return value
