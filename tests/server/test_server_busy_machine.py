@@ -22,9 +22,9 @@ from skippy_cache.bench.load import BackgroundLoad, background_load
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
-#: Busy over alone, at most. On 2 cores the run keeps one: one thread alone took 1.5x the time
-#: of two (the floor), the adapting team about 1.5-1.9x beside the busy process, and a fixed team
-#: of two spinning threads 2.9-3.1x.
+#: Busy over alone, at most. On 2 cores the run keeps one, and one thread alone is about 1.5x
+#: slower than two: that is the floor. A fixed team of spinning threads went well past this bound
+#: (benchmark history, 2026-12-07), and always keeps its threads, which the gauge check catches.
 MAX_SLOWDOWN = 2.5
 CONVERSATIONS = 4
 TURNS = 3

@@ -411,8 +411,8 @@ def _converter() -> SchemaConverter:
 
 #: The largest repetition a schema may ask for (`minLength`, `maxItems`, a pattern's `{n,m}`, ...).
 #: The converter writes a count out as that many grammar rules: past a few thousand llama.cpp's
-#: recursive grammar parser refuses the grammar, and at 200,000 it overflowed the stack and ended
-#: the process; a `minLength` of 50,000,000 took 10 s and 2.4 GB to write out.
+#: recursive grammar parser refuses the grammar, far past it the parser overflows the stack and
+#: ends the process, and a large `minLength` takes seconds and gigabytes to write out.
 MAX_SCHEMA_REPEAT = 1000
 _COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")

@@ -6,11 +6,12 @@ graph at a team barrier, where libgomp's threads spin for a while before they sl
 machine that is the fastest way to wait. Beside a compiler or a test run it is a collapse: a
 thread that spins holds a core that the thread it waits for needs, so each of a graph's hundreds
 of barriers can cost a scheduler time slice. Sleeping at once (`OMP_WAIT_POLICY=PASSIVE`) avoids
-that but pays a wake-up at every barrier, which on a virtual machine cost a quarter of an idle
-machine's chat throughput. So the team is sized instead: `ThreadGovernor` reads, twice a second,
-how much of this process's CPUs other processes used, and each step runs on the cores they left
-free (a team of one has no barrier at all). The thread count moves no float: every row exact mode
-computes is computed by one thread whatever the team's size (tests/runtime/test_threads_exact.py).
+that but pays a wake-up at every barrier, dear on a virtual machine even when the machine is idle
+(benchmark history, 2026-12-07). So the team is sized instead: `ThreadGovernor` reads, twice a
+second, how much of this process's CPUs other processes used, and each step runs on the cores
+they left free (a team of one has no barrier at all). The thread count moves no float: every row
+exact mode computes is computed by one thread whatever the team's size
+(`test_the_team_size_moves_no_float_so_hits_survive_a_change_of_threads`).
 
 The cores this process may use are its affinity mask and a cgroup CPU quota (a container's
 `--cpus`), which `os.cpu_count()` ignores. A team larger than the quota is throttled in the middle
