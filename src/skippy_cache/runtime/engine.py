@@ -636,13 +636,7 @@ class Engine:
                 admission = self.scheduler.admit()
             if admission is None:
                 return
-            try:
-                self._start_lane(admission)
-            except NativeError as exc:
-                lane = next((lane for lane in self.scheduler.lanes if lane.handle is admission.waiting.handle), None)
-                if lane is None:  # it failed before it had a lane: the step's own handler frees the rest
-                    raise
-                self._lane_fault(lane, exc)
+            self._start_lane(admission)
 
     def _start_lane(self, admission: Admission) -> None:
         waiting = admission.waiting
@@ -671,7 +665,12 @@ class Engine:
             lane.t_first = time.perf_counter()
             if request.keep_first_logits:
                 lane.first_logits = hit.logits.copy()
-            self._take_token(lane, lane.sampler.sample_logits(hit.logits), hit.logits)
+            try:
+                token = lane.sampler.sample_logits(hit.logits)
+            except NativeError as exc:
+                self._lane_fault(lane, exc)
+                return
+            self._take_token(lane, token, hit.logits)
             return
         # A join shares a running lane's leading cells, which only attention keeps per position.
         if self.cache.looks_up(lane) and self.family.any_prefix and self.joins.join(lane, self.scheduler.lanes):
