@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from live_server import LiveServer
@@ -183,3 +184,44 @@ def test_a_body_no_api_can_read_is_a_400_in_each_apis_shape(server: LiveServer, 
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
     else:
         assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "invalid_json", body
+
+
+HOSTILE = [
+    (CHAT, json.dumps({"messages": USER, "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "string", "maxLength": 200_000}}}})),
+    (CHAT, json.dumps({"messages": USER, "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "string", "pattern": "^[^\\x00-\\U0010FFFF]$"}}}})),
+    (COMPLETIONS, '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+    (CHAT, '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'),
+    (COMPLETIONS, '{"prompt": "x", '),
+]
+
+
+def test_hostile_requests_leave_a_stream_beside_them_untouched(exact_server: LiveServer) -> None:
+    """While one request streams, another client sends each hostile body above: each gets a 4xx
+    (the impossible grammar too: its own request ends, a 400), and the stream's text is what it is
+    alone."""
+    # Exact mode: the second stream's hit gives the first one's text bit for bit, whatever runs beside it.
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "stream": True}
+
+    def streamed(http) -> str:
+        text = ""
+        with http.stream("POST", COMPLETIONS, json=body) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    with exact_server.http(timeout=120) as http:
+        alone = streamed(http)
+        statuses: list[int] = []
+        with ThreadPoolExecutor(1) as pool:
+            beside = pool.submit(streamed, exact_server.http(timeout=120))
+            with exact_server.http(timeout=60) as hostile:
+                for path, raw in HOSTILE:
+                    answer = hostile.post(path, content=raw, headers={"Content-Type": "application/json"})
+                    statuses.append(answer.status_code)
+            assert beside.result(timeout=120) == alone
+        assert all(400 <= s < 500 for s in statuses), statuses
+        assert http.get("/health").status_code == 200

@@ -742,7 +742,8 @@ class Engine:
         lane.phase = Phase.LAST_TOKEN
         lane.next_token = lane.prompt[-1]
 
-    def _finish(self, lane: Lane, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, lane: Lane, reason: FinishReason, error: str | None = None, *,
+                request_fault: bool = False) -> None:
         completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
         if completed and self.pool.cells.pos_max(lane.seq_id) >= lane.n_past:
             # A guessed row past the last token the lane took (drafts.py): the record holds exactly
@@ -761,7 +762,7 @@ class Engine:
         # Sent after the step's stats are published, so a caller that reads
         # stats() on completion sees its own request counted.
         done = DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits,
-                         lane.stream.stopped_on)
+                         lane.stream.stopped_on, request_fault)
         if sent is None:
             self._outbox.append((lane.sink, done))
         else:
@@ -784,7 +785,8 @@ class Engine:
         """One request's own sampler failed (a grammar that allows no token, say): that request ends
         with the reason, and the step goes on for every other lane."""
         log.warning("request on lane %d ended: %s", lane.seq_id, exc)
-        self._fail_lanes([lane], f"the request's sampling failed: {exc}")
+        if lane in self.scheduler.lanes:
+            self._finish(lane, FinishReason.ERROR, f"the request's sampling failed: {exc}", request_fault=True)
 
     def _fail_lanes(self, lanes: list[Lane], message: str) -> None:
         for lane in lanes:

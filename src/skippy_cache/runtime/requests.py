@@ -170,6 +170,9 @@ class DoneEvent:
     first_logits: np.ndarray | None = None
     #: The stop string that ended the text (finish_reason STOP), None if it ended otherwise.
     stop_sequence: str | None = None
+    #: An ERROR the request caused itself (its grammar allowed no token): the client's 4xx, not the
+    #: server's 500.
+    request_fault: bool = False
 
 
 Event = TokenEvent | DoneEvent

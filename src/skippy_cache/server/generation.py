@@ -347,6 +347,8 @@ async def collect(request: Request, runs: EngineRuns, watcher: asyncio.Task[None
         runs.cancel()
     for choice in choices:
         done = choice.done
+        if done.finish_reason is FinishReason.ERROR and done.request_fault:
+            raise APIError(400, done.error or "the request cannot be generated", code="invalid_value")
         if done.finish_reason is FinishReason.ERROR:
             raise APIError(500, done.error or "generation failed", type="server_error")
         if done.finish_reason is FinishReason.CANCELLED:
