@@ -252,7 +252,9 @@ class Engine:
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self.invariant_failures: list[str] = []
-        self._outbox: list[tuple[EventSink, DoneEvent]] = []
+        #: Ends of requests, sent once the step's stats are published; with a shared tier, each
+        #: once its reply is on the tier too (the future the store's writer completes).
+        self._outbox: list[tuple[EventSink, DoneEvent, Future[None] | None]] = []
         #: With a shared tier: workers that prefetch a request's chunks before it is queued,
         #: and the requests they hold (counted against the queue's size).
         self._prefetch = (
@@ -529,8 +531,13 @@ class Engine:
                 self._fail_all("internal error in the engine step; see the server log")
             self._publish()
             outbox, self._outbox = self._outbox, []
-            for sink, event in outbox:
-                self._emit(sink, event)
+            for sink, event, sent in outbox:
+                if sent is None:
+                    self._emit(sink, event)
+                else:
+                    # Hooked only now: a write already done would call back at once, before
+                    # the publish above, and a caller reading stats() would miss its request.
+                    sent.add_done_callback(lambda _sent, sink=sink, event=event: self._emit(sink, event))
 
     def _run_calls(self) -> None:
         while True:
@@ -763,14 +770,11 @@ class Engine:
         # stats() on completion sees its own request counted.
         done = DoneEvent(reason, stats, lane.stream.text, tuple(lane.generated), error, lane.first_logits,
                          lane.stream.stopped_on, request_fault)
-        if sent is None:
-            self._outbox.append((lane.sink, done))
-        else:
-            # The client's next turn may go to another replica the moment the reply ends: it
-            # ends once its state is on the shared tier (the store's writer completes `sent`;
-            # a write that hangs is given up after the tier's timeout), and a lookup there
-            # finds the reply too.
-            sent.add_done_callback(lambda _sent, sink=lane.sink: self._emit(sink, done))
+        # The client's next turn may go to another replica the moment the reply ends: with a
+        # shared tier it ends once its state is there (the store's writer completes `sent`; a
+        # write that hangs is given up after the tier's timeout), and a lookup there finds the
+        # reply too.
+        self._outbox.append((lane.sink, done, sent))
 
     def _release_lane(self, lane: Lane) -> None:
         """Free the lane's cells, sampler and sequence id (each even if another step fails)."""
@@ -806,7 +810,7 @@ class Engine:
 
     def _emit_done_unadmitted(self, waiting: Waiting, reason: FinishReason) -> None:
         stats = RequestStats(len(waiting.handle.request.tokens), 0, 0, 0.0, 0.0, 0.0, 0.0)
-        self._outbox.append((waiting.sink, DoneEvent(reason, stats, "", ())))
+        self._outbox.append((waiting.sink, DoneEvent(reason, stats, "", ()), None))
 
     @staticmethod
     def _emit(sink: EventSink, event: Event) -> None:
