@@ -105,10 +105,12 @@ class ResidentPrefixCache:
     """Resident entries' books: sequence ids, budgets, recency, idleness, pins.
 
     Pinned entries are never chosen by LRU or idleness while an unpinned entry
-    can go; their cells stay under `max_pinned_tokens` (pinning past it
-    releases the oldest pins first). When only pinned entries are left, a
-    record's budget or a decode's cells still take them: a pin never fails a
-    request.
+    can go; their cells stay under `max_pinned_tokens`. Each pin has an owner
+    (a tenant), whose pins stay under `max_owner_pinned_tokens` too: pinning
+    past either cap releases the pinner's own oldest pins, never another
+    owner's, and a pin that still does not fit is not taken. When only pinned
+    entries are left, a record's budget or a decode's cells still take them:
+    a pin never fails a request.
 
     With the pool's cell mirror (`cells`), `max_resident_tokens` caps the
     distinct cells the entries hold, and `max_pinned_tokens` those the pinned
@@ -144,8 +146,10 @@ class ResidentPrefixCache:
         self._evictions = 0
         self._uncacheable = 0
         self.max_pinned_tokens = max_pinned_tokens
-        #: Pinned entries, oldest pin first.
-        self._pins: OrderedDict[PageId, None] = OrderedDict()
+        #: The cap on one owner's pins (0: only `max_pinned_tokens`).
+        self.max_owner_pinned_tokens = 0
+        #: Pinned entries and who pinned them, oldest pin first.
+        self._pins: OrderedDict[PageId, str | None] = OrderedDict()
         self._pinned_tokens = 0
         self._cells = cells
 
@@ -285,23 +289,32 @@ class ResidentPrefixCache:
 
     # -- pins ----------------------------------------------------------------
 
-    def pin(self, page_id: PageId) -> list[PageId]:
-        """Keep the entry resident; returns the pins released (oldest first) to stay under the cap.
+    def pin(self, page_id: PageId, owner: str | None = None) -> list[PageId]:
+        """Keep the entry resident for `owner`; returns `owner`'s pins released (oldest first) to
+        stay under the caps.
 
-        An entry alone over the cap, or not resident, is not pinned (nothing is released).
+        An entry alone over a cap, or not resident, is not pinned (nothing is released); nor is
+        one that would not fit with all of `owner`'s other pins released (they are kept).
         """
         entry = self._entries.get(page_id)
-        if entry is None or entry.token_count > self.max_pinned_tokens:
+        owner_cap = self.max_owner_pinned_tokens or self.max_pinned_tokens
+        if entry is None or entry.token_count > min(self.max_pinned_tokens, owner_cap):
             return []
         if page_id in self._pins:
             self._pins.move_to_end(page_id)
             return []
+        own = [p for p, o in self._pins.items() if o == owner]
+        if self._pinned_cells(page_id, without=own) > self.max_pinned_tokens:
+            return []  # other owners' pins fill the budget: theirs are not released for this one
         released = []
-        while self._pinned_cells(page_id) > self.max_pinned_tokens:
-            oldest = next(iter(self._pins))
+        while (self._pinned_cells(page_id) > self.max_pinned_tokens
+               or self._pinned_cells(page_id, only=[p for p in own if p not in released]) > owner_cap):
+            if len(released) == len(own):
+                return released  # the mirror counts shared cells once: nothing more of its own to give
+            oldest = own[len(released)]
             self.unpin(oldest)
             released.append(oldest)
-        self._pins[page_id] = None
+        self._pins[page_id] = owner
         self._pinned_tokens += entry.token_count
         return released
 
@@ -321,6 +334,10 @@ class ResidentPrefixCache:
 
     def pinned(self, page_id: PageId) -> bool:
         return page_id in self._pins
+
+    def pin_owner(self, page_id: PageId) -> str | None:
+        """Who pinned the entry (None: no tenant, or not pinned)."""
+        return self._pins.get(page_id)
 
     # -- eviction ------------------------------------------------------------
 
@@ -422,12 +439,15 @@ class ResidentPrefixCache:
         """Would evicting the entry free a cell of the pool? Always, without the cell mirror."""
         return self._cells is None or self._cells.cells_freed_by_removing({self._entries[page_id].seq_id}) > 0
 
-    def _pinned_cells(self, also: PageId | None = None) -> int:
-        """The cells the pins hold (with `also` pinned too): shared ones once with the cell mirror,
-        the pinned entries' tokens summed without it."""
+    def _pinned_cells(self, also: PageId | None = None, *, only: list[PageId] | None = None,
+                      without: list[PageId] = ()) -> int:
+        """The cells the pins (`only` those, less `without`) hold, with `also` pinned too: shared
+        ones once with the cell mirror, the pinned entries' tokens summed without it."""
+        pins = [p for p in (self._pins if only is None else only) if p not in without]
+        if also is not None:
+            pins.append(also)
         if self._cells is None:
-            return self._pinned_tokens + (self._entries[also].token_count if also is not None else 0)
-        pins = [*self._pins, also] if also is not None else list(self._pins)
+            return sum(self._entries[p].token_count for p in pins)
         return self._cells.cells_held([self._entries[p].seq_id for p in pins])
 
     def _held(self, record: tuple[SeqId | None, int] = (None, 0), *, without: PageId | None = None) -> int:
@@ -491,3 +511,7 @@ class ResidentPrefixCache:
         assert pinned == self._pinned_tokens, f"pinned token books {self._pinned_tokens} != entries' {pinned}"
         held = self._pinned_cells()
         assert held <= self.max_pinned_tokens, f"{held} pinned cells over {self.max_pinned_tokens}"
+        if self.max_owner_pinned_tokens:
+            for owner in set(self._pins.values()):
+                held = self._pinned_cells(only=[p for p, o in self._pins.items() if o == owner])
+                assert held <= self.max_owner_pinned_tokens, f"{owner!r}'s {held} pinned cells over its cap"

@@ -1,4 +1,5 @@
-"""Pinned resident entries: never chosen while an unpinned entry can go, bounded by a token cap, oldest released first."""
+"""Pinned resident entries: never chosen while an unpinned entry can go, bounded by a token cap, oldest released
+first, and one owner's (tenant's) pins never released for another's."""
 
 from __future__ import annotations
 
@@ -66,6 +67,49 @@ def test_a_pin_never_fails_a_request() -> None:
     assert evicted is not None and evicted.page_id == "b"
     assert cache.stats().pinned == 1
     cache.check_invariants()
+
+
+def test_one_tenants_pins_never_release_anothers() -> None:
+    cache = make(max_pinned_tokens=300, max_entries=6)
+    cache.max_owner_pinned_tokens = 200
+    for page in "abcde":
+        record(cache, page, 100)
+    assert cache.pin(PageId("a"), "A") == [] and cache.pin(PageId("b"), "A") == []
+    # A third pin of A's is past A's share: A's own oldest goes.
+    assert cache.pin(PageId("c"), "A") == ["a"]
+    assert cache.pin(PageId("d"), "B") == []
+    # The budget is full (b, c of A's; d of B's): B's next pin releases B's own, never A's.
+    assert cache.pin(PageId("e"), "B") == ["d"]
+    assert [cache.pinned(PageId(p)) for p in "abcde"] == [False, True, True, False, True]
+    cache.check_invariants()
+
+
+def test_a_pin_that_fits_only_by_releasing_anothers_is_not_taken() -> None:
+    cache = make(max_pinned_tokens=300, max_entries=6)
+    cache.max_owner_pinned_tokens = 300
+    for page in "abcd":
+        record(cache, page, 100)
+    for page in "abc":
+        cache.pin(PageId(page), "A")
+    assert cache.pin(PageId("d"), "B") == [] and not cache.pinned(PageId("d"))
+    assert all(cache.pinned(PageId(p)) for p in "abc")
+    cache.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["A", "B", None]), st.integers(1, 150)),
+                max_size=40))
+def test_pins_are_released_only_for_their_owner(ops: list[tuple[int, str | None, int]]) -> None:
+    cache = make(max_pinned_tokens=300, max_entries=6)
+    cache.max_owner_pinned_tokens = 200
+    for n, owner, tokens in ops:
+        page = PageId(f"p{n}")
+        if page not in cache:
+            record(cache, page, tokens)
+        pinned_before = {p.page_id: cache.pin_owner(p.page_id) for p in cache.entries() if cache.pinned(p.page_id)}
+        released = cache.pin(page, owner)
+        assert all(pinned_before[p] == owner for p in released)
+        cache.check_invariants()
 
 
 @settings(max_examples=200, deadline=None)

@@ -202,6 +202,8 @@ class Engine:
         )
         if config.tenant_cache_percent < 100:
             self.cache.tenant_share_tokens = self.pool.n_ctx * config.tenant_cache_percent // 100
+            # One tenant's pins never release another's, nor take the whole pin budget.
+            resident.max_owner_pinned_tokens = resident.max_pinned_tokens * config.tenant_cache_percent // 100
             if store is not None:
                 store.owner_share_bytes = store.capacity_bytes * config.tenant_cache_percent // 100
         self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue, config.max_queue_wait_s)
@@ -283,8 +285,14 @@ class Engine:
 
     # -- the caller's side ---------------------------------------------------
 
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        return self.model.tokenize(text, add_special=add_special)
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """`parse_special`: control-token text (`<|im_start|>`) becomes the control token, as a
+        chat template's markup must; False spells it as text, as a user's text must."""
+        return self.model.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    @property
+    def control_texts(self) -> tuple[str, ...]:
+        return self.model.control_texts
 
     def detokenize(self, tokens: list[int]) -> str:
         """The text of `tokens` (special tokens left out; a split character replaced).

@@ -180,6 +180,14 @@ class NativeModel:
             n = ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
+    @functools.cached_property
+    def control_texts(self) -> tuple[str, ...]:
+        """The texts of the vocabulary's control tokens (`<|im_start|>`): what tokenizing with
+        `parse_special` turns into those tokens, wherever the text comes from."""
+        texts = {self.token_bytes(t, special=True).decode("utf-8", "replace")
+                 for t in range(self.n_vocab) if ll.llama_vocab_get_attr(self.vocab, t) & ll.LLAMA_TOKEN_ATTR_CONTROL}
+        return tuple(sorted(t for t in texts if t))
+
     def special_text(self, token: int) -> str:
         """A special token's text (`<|im_start|>`), or "" when the model has none (-1)."""
         return self.token_bytes(token, special=True).decode("utf-8", "replace") if token >= 0 else ""

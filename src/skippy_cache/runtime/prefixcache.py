@@ -372,7 +372,7 @@ class PrefixCache:
             self.savings.hit(lane.request.namespace, lane.prompt, hit.length, lane.request.tenant)
         if hit.source is Source.RESIDENT and hit.whole and lane.request.pin:
             assert hit.page_id is not None
-            self.tiers.resident.pin(hit.page_id)
+            self.tiers.resident.pin(hit.page_id, lane.request.tenant)
         if hit.source in (Source.RAM, Source.DISK, Source.REMOTE):
             # What came back is resident again, sharing the lane's cells, so the
             # next request with this prefix (a repeat, or another lane admitted
@@ -498,7 +498,7 @@ class PrefixCache:
         self._book_recorded(lane.space, lane.request, entry_tokens)
         self.counters.records += 1
         if lane.request.pin and prefix is lane.prompt_identity:
-            resident.pin(prefix.page_id)
+            resident.pin(prefix.page_id, lane.request.tenant)
         if self.shares:
             self._to_persist[prefix.page_id] = None
         return True

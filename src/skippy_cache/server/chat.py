@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -185,14 +185,20 @@ class ChatFormatter:
 
         self.caps = self._probe()
 
-    def render(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = ()) -> str:
-        """The prompt text of `messages`; `tools` go to a template that renders them (`caps.tools`)."""
+    def render(self, messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = (),
+               scrub: Callable[[str], str] | None = None) -> str:
+        """The prompt text of `messages`; `tools` go to a template that renders them (`caps.tools`).
+        `scrub` rewrites every string the client sent (all but the roles) before rendering."""
         dicts = [_message_dict(m) for m in messages]
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools]
+        if scrub is not None:
+            dicts = [_scrubbed(d, scrub) for d in dicts]
+            tool_dicts = [_scrubbed(t, scrub) for t in tool_dicts]
         if not self.caps.system_role and len(dicts) > 1 and dicts[0]["role"] == "system":
             # A template that refuses the system role (Gemma's) gets it as the first user turn's opening.
             system, first = dicts[0], dicts[1]
             dicts = [{**first, "content": f"{system['content']}\n\n{first['content']}"}, *dicts[2:]]
-        return self._render(dicts, [t.model_dump(exclude_none=True) for t in tools])
+        return self._render(dicts, tool_dicts)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
         if self._template is None:
@@ -260,6 +266,32 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def client_strings(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec] = ()) -> list[str]:
+    """Every string the client sent in `messages` and `tools` (all but the roles), as rendered."""
+    out: list[str] = []
+    stack: list[Any] = [_message_dict(m) for m in messages] + [t.model_dump(exclude_none=True) for t in tools]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            out.append(node)
+        elif isinstance(node, dict):
+            stack.extend(v for k, v in node.items() if k != "role")
+            stack.extend(k for k in node if isinstance(k, str) and k != "role")
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
+
+
+def _scrubbed(node: Any, scrub: Callable[[str], str], key: str = "") -> Any:
+    if isinstance(node, str):
+        return node if key == "role" else scrub(node)
+    if isinstance(node, dict):
+        return {(scrub(k) if k != "role" else k): _scrubbed(v, scrub, k) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_scrubbed(v, scrub) for v in node]
+    return node
 
 
 def _arguments(text: str) -> Any:

@@ -420,7 +420,8 @@ OPTIONS: tuple[Option, ...] = (
            "off shows only their figures)", is_bool=True),
     Option("pin_percent", "--pin-percent", "SKIPPY_PIN_PERCENT", "pin_percent", _int(0, 90),
            "share of the pool, in percent, that prompts pinned by requests ('pin': true) may hold; past it "
-           "the oldest pin is released (default 25)", "N"),
+           "the pinner's oldest pin is released, never another tenant's (default 25; with --api-keys one "
+           "tenant's pins hold at most --tenant-cache-percent of it)", "N"),
     Option("remote_cache", "--remote-cache", "SKIPPY_REMOTE_CACHE", "remote_cache", _remote_url,
            "shared tier of the state store on a Redis or Valkey server, for replicas that share one "
            "cache: redis://[user:pass@]host:port[/db], rediss:// (TLS) or unix:///path (default: none)",
