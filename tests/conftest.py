@@ -76,6 +76,15 @@ def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
 
 
 @pytest.fixture
+def cache_secret_file(tmp_path: Path) -> Path:
+    """A `--cache-secret-file` the replicas of one shared tier share."""
+    path = tmp_path / "cache-secret"
+    path.write_text("the replicas' shared secret: " + "0123456789abcdef" * 4 + "\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
 def permissive_umask() -> Iterator[None]:
     """A umask that takes nothing away: the modes must come from the code, not from the umask."""
     old = os.umask(0o000)

@@ -7,23 +7,31 @@ kind, and the prefix identity's page id (which already covers the model, the
 KV settings, the namespace and the tokens). Keys are 32 lowercase hex digits,
 safe as file names and Redis keys.
 
-A sealed value describes itself and carries its own checksum:
+A sealed value describes itself and carries its own MAC:
 
-    8 bytes magic  b"SKPCHNK1"
+    8 bytes magic  b"SKPCHNK2"
     header         u16 key length, u32 tokens, u64 logits length, u64 payload length (little-endian)
     key            ASCII, exactly the key it is stored under
-    digest         32-byte BLAKE3 over header, key, logits and payload
+    mac            32-byte keyed BLAKE3 over header, key, logits and payload
     logits         float32 bytes, or nothing (length 0 stands for None)
     payload        the token rows
 
-Invariants: `unseal(key, seal(c)) == c` whenever `c.key == key`; `unseal`
-returns nothing it has not verified, and refuses (`ChunkError`) a value that
-is truncated, extended, altered anywhere, or sealed under another key (a file
-renamed or copied to another key, e.g. a chunk of another model).
+The MAC is keyed with a secret the operator holds (`derive_secret`), not a
+plain digest: keys are computable from the model, namespace and tokens, so
+anyone who can write where chunks are kept (the shared tier, a disk) could
+otherwise store KV state of their choosing under another request's key, and
+it would verify. Without the secret no value they make verifies.
+
+Invariants: `unseal(key, seal(c, s), s) == c` whenever `c.key == key`;
+`unseal` returns nothing it has not verified, and refuses (`ChunkError`) a
+value that is truncated, extended, altered anywhere, sealed under another key
+(a file renamed or copied to another key, e.g. a chunk of another model), or
+sealed with another secret.
 """
 
 from __future__ import annotations
 
+import hmac
 import re
 import struct
 from dataclasses import dataclass
@@ -32,12 +40,18 @@ from blake3 import blake3
 
 from skippy_cache.stateformat import FORMAT_VERSION
 
-MAGIC = b"SKPCHNK1"
+MAGIC = b"SKPCHNK2"
 KEY_CHARS = 32  # 128 bits of BLAKE3: a collision needs ~2**64 chunks
+SECRET_BYTES = 32  # BLAKE3's key size
+#: Secret material shorter than this is refused: a guessable secret lets anyone forge chunks.
+MIN_SECRET_MATERIAL = 32
 
-_DOMAIN = b"skippy-cache/chunk-key/v1"
+# v2: chunks carry a keyed MAC. New names leave v1 chunks (unkeyed digests) unnamed, so they age out
+# of every tier as misses instead of failing verification one by one.
+_DOMAIN = b"skippy-cache/chunk-key/v2"
+_SECRET_CONTEXT = "skippy-cache chunk MAC secret v1"
 _HEAD = struct.Struct("<HIQQ")  # key length, tokens, logits length, payload length
-_DIGEST = 32
+_DIGEST = 32  # the MAC's length
 _KEY_RE = re.compile(f"[0-9a-f]{{{KEY_CHARS}}}")
 
 
@@ -85,8 +99,23 @@ def _key(kind: str, page_id: str, layout: str) -> str:
     return h.hexdigest(length=KEY_CHARS // 2)
 
 
-def seal(chunk: Chunk) -> bytes:
-    """The chunk as one self-describing, checksummed value (layout in the module docstring)."""
+def derive_secret(material: bytes) -> bytes:
+    """The MAC key made from an operator's secret material (a key file's contents, at least
+    `MIN_SECRET_MATERIAL` bytes after surrounding whitespace is stripped)."""
+    material = material.strip()
+    if len(material) < MIN_SECRET_MATERIAL:
+        raise ChunkError(f"a chunk secret needs at least {MIN_SECRET_MATERIAL} bytes, got {len(material)}")
+    return blake3(material, derive_key_context=_SECRET_CONTEXT).digest()
+
+
+def _mac(secret: bytes) -> blake3:
+    if len(secret) != SECRET_BYTES:
+        raise ChunkError(f"a MAC key is {SECRET_BYTES} bytes (derive_secret makes one), got {len(secret)}")
+    return blake3(key=secret)
+
+
+def seal(chunk: Chunk, secret: bytes) -> bytes:
+    """The chunk as one self-describing value, MAC'd with `secret` (layout in the module docstring)."""
     if not chunk.key.isascii() or not 0 < len(chunk.key) < 2**16:
         raise ChunkError(f"cannot seal under key {chunk.key!r}: it must be 1..65535 ASCII characters")
     key = chunk.key.encode("ascii")
@@ -97,15 +126,17 @@ def seal(chunk: Chunk) -> bytes:
         raise ChunkError("empty logits: pass None for a chunk without logits")
     logits = chunk.logits or b""
     head = _HEAD.pack(len(key), chunk.tokens, len(logits), len(chunk.payload))
-    h = blake3(head)
+    h = _mac(secret)
+    h.update(head)
     h.update(key)
     h.update(logits)
     h.update(chunk.payload)
     return b"".join((MAGIC, head, key, h.digest(), logits, chunk.payload))
 
 
-def unseal(key: str, value: bytes | bytearray | memoryview) -> Chunk:
-    """The chunk sealed in `value` under `key`, verified; raises ChunkError if anything disagrees."""
+def unseal(key: str, value: bytes | bytearray | memoryview, secret: bytes) -> Chunk:
+    """The chunk sealed in `value` under `key` with `secret`, verified; raises ChunkError if anything
+    disagrees."""
     view = memoryview(value).cast("B")
     fixed = len(MAGIC) + _HEAD.size
     if len(view) < fixed:
@@ -124,10 +155,11 @@ def unseal(key: str, value: bytes | bytearray | memoryview) -> Chunk:
             f"chunk {key}: sealed under key {stored_key.decode('utf-8', 'replace')!r} "
             "(a file renamed or copied to another key)"
         )
-    h = blake3(view[len(MAGIC) : fixed + key_len])
+    h = _mac(secret)
+    h.update(view[len(MAGIC) : fixed + key_len])
     h.update(view[logits_at:])
-    if h.digest() != bytes(view[fixed + key_len : logits_at]):
-        raise ChunkError(f"chunk {key}: BLAKE3 digest mismatch (corrupted on disk or in memory)")
+    if not hmac.compare_digest(h.digest(), bytes(view[fixed + key_len : logits_at])):
+        raise ChunkError(f"chunk {key}: MAC mismatch (corrupted, or not sealed with this server's secret)")
     if tokens < 1:
         raise ChunkError(f"chunk {key}: holds {tokens} tokens")
     logits = bytes(view[logits_at : logits_at + logits_len]) if logits_len else None

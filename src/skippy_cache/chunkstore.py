@@ -7,7 +7,8 @@ is write-through: `add` writes both, so a chunk that leaves RAM's LRU is
 already on disk (spilled, not lost), and a disk hit is promoted back into RAM.
 Without a disk, a chunk leaving RAM is gone.
 
-Every read is verified (`chunks.unseal`), RAM included: a value that fails is
+Every value is sealed and verified with the store's secret (`chunks.seal`,
+`chunks.unseal`: a keyed MAC), every read verified, RAM included: a value that fails is
 quarantined in the tier it failed in (dropped from RAM; moved aside on disk),
 counted, and logged once per key. A RAM copy that fails does not condemn the
 disk copy: both were written from the same sealed bytes, so the disk copy is
@@ -31,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from skippy_cache.chunks import Chunk, ChunkError, unseal
+from skippy_cache.chunks import Chunk, ChunkError, seal, unseal
 from skippy_cache.diskchunks import DiskChunks, DiskChunkStats
 from skippy_cache.eviction import Policy, make_books
 
@@ -81,6 +82,7 @@ class ChunkStore:
         ram_bytes: int,
         disk: DiskChunks | None,
         *,
+        secret: bytes,
         policy: Policy | str = Policy.LRU,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -88,6 +90,7 @@ class ChunkStore:
             raise ValueError(f"ram_bytes must be >= 0, got {ram_bytes}")
         self.ram_max_bytes = ram_bytes
         self.disk = disk
+        self._secret = secret
         self.policy = Policy(policy)
         self._ram: dict[str, bytes] = {}  # key -> sealed value
         self._ram_books = make_books(self.policy, clock)
@@ -147,9 +150,17 @@ class ChunkStore:
         self._misses += 1
         return None
 
+    def seal(self, chunk: Chunk) -> bytes:
+        """`chunk` sealed with this store's secret."""
+        return seal(chunk, self._secret)
+
+    def unseal(self, key: str, value: bytes) -> Chunk:
+        """The chunk in a value from elsewhere (the shared tier), verified; raises ChunkError."""
+        return unseal(key, value, self._secret)
+
     def _verify(self, key: str, value: bytes, tier: Tier) -> Chunk | None:
         try:
-            return unseal(key, value)
+            return unseal(key, value, self._secret)
         except ChunkError as e:
             self._quarantine(key, tier, e)
             return None

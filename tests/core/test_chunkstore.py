@@ -13,9 +13,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from skippy_cache.chunks import Chunk, chunk_key, seal, tail_key
+from skippy_cache.chunks import Chunk, chunk_key, derive_secret, tail_key
+from skippy_cache.chunks import seal as seal_with
 from skippy_cache.chunkstore import ChunkStore, Tier
 from skippy_cache.diskchunks import DiskChunks
+
+SECRET = derive_secret(b"the chunk store tests' secret, 32+ bytes")
+
+
+def seal(chunk: Chunk) -> bytes:
+    return seal_with(chunk, SECRET)
 
 
 def K(i: int) -> str:
@@ -58,7 +65,7 @@ def disk(tmp_path: Path) -> Iterator[DiskChunks]:
 
 def test_run_counts_consecutive_keys_and_reports_the_slowest_tier(disk: DiskChunks) -> None:
     one = sealed_size(0)
-    store = ChunkStore(2 * one, disk)
+    store = ChunkStore(2 * one, disk, secret=SECRET)
     for i in range(4):
         add(store, i)  # RAM holds the last two: 0 and 1 are on disk only
     assert [store.where(K(i)) for i in range(5)] == [Tier.DISK, Tier.DISK, Tier.RAM, Tier.RAM, None]
@@ -75,7 +82,7 @@ def test_run_counts_consecutive_keys_and_reports_the_slowest_tier(disk: DiskChun
 
 def test_without_disk_ram_eviction_drops(tmp_path: Path) -> None:
     one = sealed_size(0)
-    store = ChunkStore(2 * one, None)
+    store = ChunkStore(2 * one, None, secret=SECRET)
     for i in range(3):
         assert add(store, i)
     assert store.where(K(0)) is None and store.get(K(0)) is None
@@ -87,7 +94,7 @@ def test_without_disk_ram_eviction_drops(tmp_path: Path) -> None:
 
 def test_write_through_spills_and_promotes_back(disk: DiskChunks) -> None:
     one = sealed_size(0)
-    store = ChunkStore(2 * one, disk)
+    store = ChunkStore(2 * one, disk, secret=SECRET)
     for i in range(3):
         assert add(store, i)
     assert disk.keys() == [K(0), K(1), K(2)]  # every chunk is on disk at once
@@ -102,7 +109,7 @@ def test_write_through_spills_and_promotes_back(disk: DiskChunks) -> None:
 
 
 def test_a_ram_tier_of_zero_bytes_serves_from_disk(disk: DiskChunks) -> None:
-    store = ChunkStore(0, disk)
+    store = ChunkStore(0, disk, secret=SECRET)
     assert add(store, 1)
     assert store.where(K(1)) is Tier.DISK and store.stats().ram_chunks == 0
     assert store.get(K(1)) == make(1)
@@ -111,7 +118,7 @@ def test_a_ram_tier_of_zero_bytes_serves_from_disk(disk: DiskChunks) -> None:
 
 def test_a_value_that_fits_nowhere_is_not_stored(tmp_path: Path) -> None:
     with DiskChunks(tmp_path, 50, reserve_bytes=0) as d:
-        store = ChunkStore(50, d)
+        store = ChunkStore(50, d, secret=SECRET)
         assert not add(store, 1)
         assert K(1) not in store
         assert store.stats().logical_bytes == 0  # not held, so stored on behalf of nobody
@@ -119,7 +126,7 @@ def test_a_value_that_fits_nowhere_is_not_stored(tmp_path: Path) -> None:
 
 def test_logits_round_trip_through_both_tiers(disk: DiskChunks) -> None:
     c = Chunk(tail_key("page", "layout"), 3, b"rows" * 10, b"\x00\x00\x80\x3f" * 4)
-    store = ChunkStore(10_000, disk)
+    store = ChunkStore(10_000, disk, secret=SECRET)
     store.add(c.key, len(c.payload), lambda: seal(c))
     assert store.get(c.key) == c
     store._ram.clear()
@@ -137,7 +144,7 @@ def flip_a_byte(path: Path, at: int = -1) -> None:
 
 
 def test_a_corrupted_file_is_quarantined(disk: DiskChunks, tmp_path: Path, caplog) -> None:
-    store = ChunkStore(0, disk)
+    store = ChunkStore(0, disk, secret=SECRET)
     add(store, 1)
     flip_a_byte(disk._path(K(1)))
     with caplog.at_level(logging.WARNING, logger="skippy_cache.store"):
@@ -149,14 +156,26 @@ def test_a_corrupted_file_is_quarantined(disk: DiskChunks, tmp_path: Path, caplo
     assert len(moved) == 1 and moved[0].name.startswith(K(1))
     assert not disk._path(K(1)).exists()
     assert [r.getMessage() for r in caplog.records] == [
-        f"quarantined chunk {K(1)} from disk: chunk {K(1)}: BLAKE3 digest mismatch "
-        "(corrupted on disk or in memory)"
+        f"quarantined chunk {K(1)} from disk: chunk {K(1)}: MAC mismatch "
+        "(corrupted, or not sealed with this server's secret)"
     ]
     store.check_invariants()
 
 
+def test_a_chunk_planted_without_the_secret_is_quarantined_and_the_real_one_is_stored_again(
+    disk: DiskChunks,
+) -> None:
+    # Whoever can write the tier knows every key and the format, not the secret.
+    planted = derive_secret(b"the planter's own secret, 32+ bytes long")
+    assert disk.put(K(1), seal_with(make(1, 300), planted))
+    store = ChunkStore(0, disk, secret=SECRET)
+    assert K(1) in store and store.get(K(1)) is None
+    assert K(1) not in store and store.stats().quarantined == 1
+    assert add(store, 1) and store.get(K(1)) == make(1)
+
+
 def test_a_file_renamed_to_another_key_is_quarantined(disk: DiskChunks) -> None:
-    store = ChunkStore(0, disk)
+    store = ChunkStore(0, disk, secret=SECRET)
     add(store, 1)
     add(store, 2)
     shutil.copyfile(disk._path(K(1)), disk._path(K(2)))
@@ -166,7 +185,7 @@ def test_a_file_renamed_to_another_key_is_quarantined(disk: DiskChunks) -> None:
 
 
 def test_a_corrupted_ram_value_is_dropped(caplog) -> None:
-    store = ChunkStore(10_000, None)
+    store = ChunkStore(10_000, None, secret=SECRET)
     add(store, 1)
     bad = bytearray(store._ram[K(1)])
     bad[-1] ^= 0xFF
@@ -186,7 +205,7 @@ def test_a_corrupted_ram_value_is_dropped(caplog) -> None:
 
 def test_a_corrupted_ram_value_falls_back_to_the_good_disk_copy(disk: DiskChunks) -> None:
     # Both copies come from one sealed value: a flip in RAM says nothing about the file.
-    store = ChunkStore(10_000, disk)
+    store = ChunkStore(10_000, disk, secret=SECRET)
     add(store, 1)
     store._ram[K(1)] = b"\0" + store._ram[K(1)][1:]
     assert store.get(K(1)) == make(1)
@@ -198,7 +217,7 @@ def test_a_corrupted_ram_value_falls_back_to_the_good_disk_copy(disk: DiskChunks
 
 
 def test_a_bad_key_is_logged_once(disk: DiskChunks, caplog) -> None:
-    store = ChunkStore(0, disk)
+    store = ChunkStore(0, disk, secret=SECRET)
     with caplog.at_level(logging.WARNING, logger="skippy_cache.store"):
         for _ in range(3):
             add(store, 1)
@@ -212,7 +231,7 @@ def test_a_bad_key_is_logged_once(disk: DiskChunks, caplog) -> None:
 
 
 def test_adding_the_same_key_twice_counts_logical_bytes_twice_and_seals_once(disk: DiskChunks) -> None:
-    store = ChunkStore(10_000, disk)
+    store = ChunkStore(10_000, disk, secret=SECRET)
     c = make(1)
     first, second = Sealer(c), Sealer(c)
     assert store.add(c.key, 100, first)
@@ -227,7 +246,7 @@ def test_adding_the_same_key_twice_counts_logical_bytes_twice_and_seals_once(dis
 
 
 def test_a_key_only_on_disk_is_a_duplicate_too(disk: DiskChunks) -> None:
-    store = ChunkStore(0, disk)
+    store = ChunkStore(0, disk, secret=SECRET)
     add(store, 1)
     sealer = Sealer(make(1))
     assert not store.add(K(1), 100, sealer)
@@ -237,7 +256,7 @@ def test_a_key_only_on_disk_is_a_duplicate_too(disk: DiskChunks) -> None:
 def test_books_drop_chunks_the_disk_evicted(tmp_path: Path) -> None:
     one = sealed_size(0)
     with DiskChunks(tmp_path, 2 * one, reserve_bytes=0) as d:
-        store = ChunkStore(0, d)
+        store = ChunkStore(0, d, secret=SECRET)
         for i in range(3):
             add(store, i)
         add(store, 2)
@@ -246,7 +265,7 @@ def test_books_drop_chunks_the_disk_evicted(tmp_path: Path) -> None:
 
 
 def test_discard_and_clear(disk: DiskChunks) -> None:
-    store = ChunkStore(10_000, disk)
+    store = ChunkStore(10_000, disk, secret=SECRET)
     for i in range(3):
         add(store, i)
     assert store.discard(K(0)) and not store.discard(K(0))
@@ -258,9 +277,9 @@ def test_discard_and_clear(disk: DiskChunks) -> None:
 
 def test_the_counters_live_across_a_restart(tmp_path: Path) -> None:
     with DiskChunks(tmp_path, 100_000, reserve_bytes=0) as d:
-        add(ChunkStore(1000, d), 1)
+        add(ChunkStore(1000, d, secret=SECRET), 1)
     with DiskChunks(tmp_path, 100_000, reserve_bytes=0) as d:
-        store = ChunkStore(1000, d)
+        store = ChunkStore(1000, d, secret=SECRET)
         assert store.where(K(1)) is Tier.DISK
         assert store.get(K(1)) == make(1)
         s = store.stats()
@@ -280,7 +299,7 @@ class StoreMachine(RuleBasedStateMachine):
     def setup(self, ram: int, disk_budget: int | None) -> None:
         self.dir = tempfile.mkdtemp(prefix="chunkstore-")
         self.disk = None if disk_budget is None else DiskChunks(self.dir, disk_budget, reserve_bytes=0)
-        self.store = ChunkStore(ram, self.disk)
+        self.store = ChunkStore(ram, self.disk, secret=SECRET)
 
     def teardown(self) -> None:
         if getattr(self, "disk", None) is not None:
@@ -333,7 +352,7 @@ TestStoreMachine.settings = settings(max_examples=60, stateful_step_count=40, de
 
 def test_lrfu_ram_lets_a_prompts_last_chunk_go_before_its_first() -> None:
     one = sealed_size(0)
-    store = ChunkStore(3 * one, None, policy="lrfu")
+    store = ChunkStore(3 * one, None, policy="lrfu", secret=SECRET)
     for i, parent in ((0, None), (1, K(0)), (2, K(1))):
         c = make(i)
         store.add(c.key, len(c.payload), Sealer(c), parent=parent)
@@ -345,7 +364,7 @@ def test_lrfu_ram_lets_a_prompts_last_chunk_go_before_its_first() -> None:
 def test_lrfu_disk_evicts_leaves_and_books_a_restart(tmp_path: Path) -> None:
     one = sealed_size(0)
     with DiskChunks(tmp_path, 3 * one, reserve_bytes=0, policy="lrfu") as d:
-        store = ChunkStore(0, d, policy="lrfu")
+        store = ChunkStore(0, d, policy="lrfu", secret=SECRET)
         for i, parent in ((0, None), (1, K(0)), (2, K(1)), (3, None)):
             c = make(i)
             store.add(c.key, len(c.payload), Sealer(c), parent=parent)
@@ -358,7 +377,7 @@ def test_lrfu_disk_evicts_leaves_and_books_a_restart(tmp_path: Path) -> None:
 
 def test_a_duplicate_add_is_a_use() -> None:
     one = sealed_size(0)
-    store = ChunkStore(2 * one, None)  # LRU
+    store = ChunkStore(2 * one, None, secret=SECRET)  # LRU
     add(store, 0)
     add(store, 1)
     add(store, 0)  # another entry produced chunk 0 again: now the most recently used

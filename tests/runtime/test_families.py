@@ -258,8 +258,10 @@ def test_a_window_prefix_is_reused_only_while_the_entry_holds_its_window(models,
 
 def stored_engine(path: Path, cache_dir: Path | None, remote_url: str | None = None) -> Engine:
     remote = RemoteConfig(url=remote_url, retry_s=0.2) if remote_url else None
+    # Replicas of a shared tier share the secret; a disk tier alone keeps its own in the directory.
+    secret = bytes(range(32)) if remote_url else None
     return Engine(EngineConfig(model_path=path, ctx_size=2048, lanes=2, host_cache_bytes=64 << 20,
-                               cache_dir=cache_dir, remote=remote, check_invariants=True))
+                               cache_dir=cache_dir, remote=remote, check_invariants=True, cache_secret=secret))
 
 
 def demote_all(e: Engine) -> None:

@@ -41,7 +41,8 @@ def test_server_reaches_llama_cpp_only_through_the_runtime():
 
 #: What the server may use of an `Engine`: its public API, nothing of its collaborators.
 ENGINE_API = {"info", "stats", "submit", "tokenize", "detokenize", "alive", "close", "clear_cache", "validate",
-              "generate", "explain", "unpin", "pool_view", "pool_audit", "clear_tenant", "tenant_figures"}
+              "generate", "explain", "unpin", "pool_view", "pool_audit", "clear_tenant", "tenant_figures",
+              "control_texts"}
 
 
 def test_server_uses_only_the_runtime_packages_public_api():

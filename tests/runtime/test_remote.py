@@ -17,6 +17,7 @@ from exactmode import assert_as_cold, assert_bit_exact
 from fastmode import assert_logits_close
 from prompts import make_tokens
 
+from skippy_cache.chunks import derive_secret
 from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
 from skippy_cache.runtime import DoneEvent, Engine, EngineConfig, Event, GenerationRequest
 from skippy_cache.runtime.remote import RemoteConfig
@@ -26,11 +27,15 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.model]
 CHUNK = 256
 
 
-def replica(url: str, *, deterministic: bool = False, **remote: object) -> Engine:
+#: The secret the replicas of one shared tier share (`--cache-secret-file`).
+SECRET = derive_secret(b"the replicas' shared secret, 32 bytes or more")
+
+
+def replica(url: str, *, deterministic: bool = False, secret: bytes = SECRET, **remote: object) -> Engine:
     config = RemoteConfig(url=url, retry_s=0.2, **remote)  # type: ignore[arg-type]
     return Engine(EngineConfig(ctx_size=4096, lanes=2, host_cache_bytes=1 << 30, cache_dir=None,
                                chunk_tokens=CHUNK, remote=config, deterministic=deterministic,
-                               check_invariants=True))
+                               check_invariants=True, cache_secret=secret))
 
 
 def cache_off(deterministic: bool) -> Engine:
@@ -171,6 +176,41 @@ def test_a_tampered_value_is_refused(replicas, redis_server):
     # B computed that chunk itself since, and holds its own value, never the refused one.
     held = b.cache.store.chunks.ram_value(a.cache.store._chunk_keys(ids)[1])
     assert held != bytes(value), "a refused value was imported"
+    # The refused value was deleted, so B's own write stored the real one: a refused value left in
+    # place would only have been renewed by every replica that wrote the chunk.
+    shared(b)
+    assert client.get(second) == held
+
+
+def test_a_value_sealed_without_the_secret_is_refused_and_deleted(redis_server):
+    # Whoever can write the tier knows every chunk's name and the format: a "replica" with a secret
+    # of its own stands for them, and what it writes must never be restored.
+    forger, b = replica(redis_server.url, secret=derive_secret(b"not the replicas' secret, 32+ bytes")), \
+        replica(redis_server.url)
+    try:
+        prompt = make_tokens(b, 700, seed=9)
+        ask(forger, prompt)
+        shared(forger)
+        client = redis_server.client()
+        planted = {k: client.get(k) for k in client.keys("*")}
+        assert len(planted) == 4
+        got = ask(b, prompt)
+        assert got.stats.cached_tokens == 0 and got.stats.cache_source == "none"
+        stats = b.stats().remote
+        # Both chunks and the prompt's tail were fetched in one run, and each one refused.
+        assert stats is not None and stats.rejected == 3 and stats.hits == 0
+        assert b.stats().cache.counters.remote_restores == 0
+        # Each refused value was deleted, so B's write stored its own: had one stayed, B's write would
+        # only have renewed it, and it would stand for the chunk on every replica.
+        shared(b)
+        store = b.cache.store
+        keys = store._chunk_keys(store.chunk_identities(b.cache.identity_key.with_namespace(None), prompt[:-1]))
+        for key in keys:
+            held = client.get(store.remote.name(key))
+            assert held == store.chunks.ram_value(key) and held != planted[store.remote.name(key).encode()]
+    finally:
+        forger.close(drain=False)
+        b.close(drain=False)
 
 
 def test_tenants_never_share(replicas, redis_server):
@@ -239,8 +279,7 @@ def test_deterministic_replicas_share_a_prefix_bit_for_bit(redis_server):
     # A chunk's name says which kernel computed each of its rows (exact.py): what one
     # replica computed, another restores, and its output equals a cold run's exactly.
     a, b = (replica(redis_server.url, deterministic=True) for _ in range(2))
-    cold = Engine(EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=True,
-                               cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    cold = cache_off(deterministic=True)
     try:
         prompt = make_tokens(a, 700, seed=5)
         first = ask(a, prompt)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def value(key: str, n: int = 1000) -> bytes:
-    return seal(Chunk(key, 64, bytes(range(256)) * (n // 256 + 1)))
+    return seal(Chunk(key, 64, bytes(range(256)) * (n // 256 + 1)), bytes(32))
 
 
 def key(i: int) -> str:

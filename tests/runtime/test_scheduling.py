@@ -45,7 +45,7 @@ def run_to_end(engine: Engine) -> dict[int, DoneEvent]:
     """Step until every lane is done; the done events by the id of their sink's list."""
     while engine.step():
         pass
-    done = {id(sink.__self__): event for sink, event in engine._outbox}
+    done = {id(sink.__self__): event for sink, event, _ in engine._outbox}
     engine._outbox.clear()
     assert engine.invariant_failures == []
     # Every lane's cells were freed: what the pool holds now belongs to cache entries.

@@ -204,7 +204,7 @@ def test_a_starting_lane_takes_an_unused_entry_s_cells_rather_than_widen_the_vie
         engine.submit(GenerationRequest(tokens=first, max_tokens=1), events.append)
         while engine.step():
             pass
-        (done,) = [event for sink, event in engine._outbox if sink == events.append]
+        (done,) = [event for sink, event, _ in engine._outbox if sink == events.append]
         assert done.stats.cached_tokens > 0
         assert engine.invariant_failures == []
     finally:

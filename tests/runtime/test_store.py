@@ -491,7 +491,8 @@ def test_a_chunk_cut_with_another_size_is_never_named_alike(engine: Engine) -> N
 
     store = engine.cache.store
     assert store is not None
-    other = StateStore(ChunkStore(1 << 20, None), store.layout, 2 * CHUNK, max_pending_bytes=1 << 20)
+    other = StateStore(ChunkStore(1 << 20, None, secret=bytes(32)), store.layout, 2 * CHUNK,
+                       max_pending_bytes=1 << 20)
     try:
         tokens = make_tokens(engine, 4 * CHUNK + 10, seed=41)
         space = engine.cache.identity_key.with_namespace(None)
@@ -522,20 +523,17 @@ def test_a_write_under_way_when_the_store_is_cleared_leaves_nothing(
     layout = engine.cache.store.layout
 
     sealing, resume = threading.Event(), threading.Event()
-    real_seal = statestore.seal
-    writers: list[threading.Thread] = []
+    disk = DiskChunks(tmp_path, 1 << 30, reserve_bytes=0)
+    chunks = ChunkStore(1 << 26, disk, secret=bytes(32))
+    real_seal = chunks.seal
 
     def slow_seal(chunk):  # noqa: ANN001, ANN202 - the writer's one call site
-        # Only this store's writer waits: the engine's own writer seals with the same function.
-        if threading.current_thread() in writers:
-            sealing.set()
-            assert resume.wait(30)
+        sealing.set()
+        assert resume.wait(30)
         return real_seal(chunk)
 
-    monkeypatch.setattr(statestore, "seal", slow_seal)
-    disk = DiskChunks(tmp_path, 1 << 30, reserve_bytes=0)
-    store = statestore.StateStore(ChunkStore(1 << 26, disk), layout, CHUNK, max_pending_bytes=1 << 28)
-    writers.append(store._writer)
+    monkeypatch.setattr(chunks, "seal", slow_seal)
+    store = statestore.StateStore(chunks, layout, CHUNK, max_pending_bytes=1 << 28)
     written = threading.Event()
     real_write = store._write
 

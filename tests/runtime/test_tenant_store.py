@@ -19,7 +19,8 @@ PAGE_BYTES = 1000
 
 @pytest.fixture
 def store() -> Iterator[StateStore]:
-    store = StateStore(ChunkStore(1 << 20, None), "opaque-test-state", 64, max_pending_bytes=1 << 20)
+    store = StateStore(ChunkStore(1 << 20, None, secret=bytes(32)), "opaque-test-state", 64,
+                       max_pending_bytes=1 << 20)
     yield store
     store.close()
 
@@ -69,7 +70,8 @@ def test_only_a_whole_prompts_tail_is_marked_for_the_eviction_policy() -> None:
     # A whole prompt's tail (with its logits) serves only an exact repeat: LRFU lets it go sooner.
     # An entry without logits (one that ends a reply) names its tail like a chunk, and the next
     # turn of its chat finds it: not a tail for the policy.
-    store = StateStore(ChunkStore(1 << 20, None, policy="lrfu"), "opaque-test-state", 64, max_pending_bytes=1 << 20)
+    store = StateStore(ChunkStore(1 << 20, None, policy="lrfu", secret=bytes(32)), "opaque-test-state", 64,
+                       max_pending_bytes=1 << 20)
     try:
         for n, logits in ((1, b"\0" * 8), (2, None)):
             tokens = [n] * 8

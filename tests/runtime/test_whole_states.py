@@ -21,7 +21,7 @@ TOKENS = list(range(300))
 
 @pytest.fixture
 def store():
-    s = StateStore(ChunkStore(1 << 24, None), "recurrent/1234", 64, max_pending_bytes=1 << 24)
+    s = StateStore(ChunkStore(1 << 24, None, secret=bytes(32)), "recurrent/1234", 64, max_pending_bytes=1 << 24)
     yield s
     s.close()
 

@@ -217,6 +217,39 @@ def test_a_cache_dir_other_users_can_write_exits_2_naming_it(tmp_path: Path) -> 
     assert not (shared / "lock").exists() and not (shared / "v1").exists()
 
 
+@pytest.mark.model
+def test_a_shared_tier_without_a_shared_secret_exits_2_naming_the_setting() -> None:
+    # Each replica's own secret would fail every chunk another wrote: the tier would share nothing.
+    line = serve_fails("--remote-cache", "redis://127.0.0.1:1")
+    assert "--remote-cache needs --cache-secret-file" in line and "openssl rand -hex 32" in line
+
+
+@pytest.mark.model
+def test_a_cache_dir_keeps_its_secret_across_restarts(tmp_path: Path) -> None:
+    # Chunks on disk verify after a restart only if the secret they were sealed with is still there.
+    cache = tmp_path / "cache"
+    texts = []
+    for _ in range(2):
+        server = Served("--ctx-size", "2048", "--cache-dir", str(cache), env=clean_env())
+        try:
+            server.wait_ready()
+        finally:
+            server.stop()
+        assert (cache / "secret").stat().st_mode & 0o777 == 0o600
+        texts.append((cache / "secret").read_text())
+    assert texts[0] == texts[1] and len(texts[0].strip()) == 64
+
+
+@pytest.mark.parametrize(("mode", "words"), [(0o644, "is open to other users (mode 0644)"),
+                                             (0o600, "needs at least 32 bytes")])
+def test_an_unsafe_or_short_secret_file_exits_2_naming_it(tmp_path: Path, mode: int, words: str) -> None:
+    path = tmp_path / "secret"
+    path.write_text("short\n" if mode == 0o600 else "x" * 64)
+    path.chmod(mode)
+    line = serve_fails("--cache-secret-file", str(path))
+    assert "--cache-secret-file" in line and str(path) in line and words in line
+
+
 def test_a_port_in_use_exits_2_before_the_model_loads() -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -285,12 +318,12 @@ SHARED = "Shared tier test. " + " ".join(f"Rule {i} of the house applies to ever
 
 
 @pytest.mark.model
-def test_two_servers_on_one_redis_share_a_prefix(tmp_path: Path, redis_with_password) -> None:
+def test_two_servers_on_one_redis_share_a_prefix(tmp_path: Path, redis_with_password, cache_secret_file) -> None:
     # One server has the password in its URL, the other reads it from a file; neither logs it.
     password_file = tmp_path / "redis-password"
     password_file.write_text("s3cret-pw\n")
     bare = redis_with_password.url.replace(":s3cret-pw@", "")
-    common = ("--ctx-size", "2048", "--cache-dir", "none")
+    common = ("--ctx-size", "2048", "--cache-dir", "none", "--cache-secret-file", str(cache_secret_file))
     first = Served(*common, "--remote-cache", redis_with_password.url, env=clean_env())
     second = Served(*common, "--remote-cache", bare, "--remote-cache-password-file", str(password_file),
                     env=clean_env())
@@ -332,10 +365,13 @@ def test_two_servers_on_one_redis_share_a_prefix(tmp_path: Path, redis_with_pass
 
 @pytest.mark.model
 @pytest.mark.parametrize("mode", [(), ("--fast",)], ids=["exact", "fast"])
-def test_a_chat_turn_on_another_server_reuses_the_previous_reply(redis_server, mode: tuple[str, ...]) -> None:
+def test_a_chat_turn_on_another_server_reuses_the_previous_reply(
+    redis_server, cache_secret_file, mode: tuple[str, ...]
+) -> None:
     # Behind a round-robin balancer a chat's next turn lands on the other replica: it reuses the
     # history up to where the reply it resends ended, not only up to the last whole chunk.
-    common = ("--ctx-size", "2048", "--cache-dir", "none", "--remote-cache", redis_server.url, *mode)
+    common = ("--ctx-size", "2048", "--cache-dir", "none", "--remote-cache", redis_server.url,
+              "--cache-secret-file", str(cache_secret_file), *mode)
     first, second = Served(*common, env=clean_env()), Served(*common, env=clean_env())
     try:
         first.wait_ready()

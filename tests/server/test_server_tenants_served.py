@@ -67,9 +67,9 @@ def test_isolation_holds_on_disk_after_a_restart(tmp_path: Path) -> None:
         second.stop()
 
 
-def test_isolation_holds_through_redis(tmp_path: Path, redis_server) -> None:
+def test_isolation_holds_through_redis(tmp_path: Path, redis_server, cache_secret_file) -> None:
     common = ("--ctx-size", "2048", "--cache-dir", "none", "--remote-cache", redis_server.url,
-              "--api-keys", str(all_keys(tmp_path)))
+              "--cache-secret-file", str(cache_secret_file), "--api-keys", str(all_keys(tmp_path)))
     first = Served(*common, env=clean_env())
     second = Served(*common, env=clean_env())
     try:

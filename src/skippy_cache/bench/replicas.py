@@ -27,6 +27,8 @@ between servers and nothing carries over from one configuration to the next; Red
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -194,7 +196,7 @@ def _wait_for_ping(server: RedisServer) -> None:
 
 def replica_command(
     configuration: Configuration, port: int, model: Path, ctx_size: int, remote_url: str, *, fast: bool,
-    repack: bool,
+    repack: bool, secret_file: Path | None = None,
 ) -> list[str]:
     """The bench's own skippy-cache command (no disk tier), with the configuration's threads and tier.
 
@@ -203,7 +205,20 @@ def replica_command(
     """
     command = server_command(_KIND, port, model, ctx_size, repack=repack)
     command += (["--fast"] if fast else []) + ["--threads", str(configuration.threads)]
-    return command + (["--remote-cache", remote_url] if configuration.shared else [])
+    if not configuration.shared:
+        return command
+    assert secret_file is not None, "the replicas of a shared tier share a secret"
+    return command + ["--remote-cache", remote_url, "--cache-secret-file", str(secret_file)]
+
+
+def shared_secret(directory: Path) -> Path:
+    """A new secret file in `directory` for the replicas of one shared tier (`--cache-secret-file`)."""
+    path = directory / "cache-secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    path.chmod(0o600)  # a file left by an older run keeps its mode through O_CREAT
+    return path
 
 
 @contextmanager
@@ -213,10 +228,12 @@ def running_configuration(
 ) -> Iterator[Replicas]:
     """Start the configuration's servers together, wait for each, stop them all on exit."""
     servers: list[Target] = []
+    secret_file = shared_secret(log_dir) if configuration.shared else None
     try:
         for i in range(configuration.servers):
             port = free_port()
-            command = replica_command(configuration, port, model, ctx_size, remote_url, fast=fast, repack=repack)
+            command = replica_command(configuration, port, model, ctx_size, remote_url, fast=fast, repack=repack,
+                                      secret_file=secret_file)
             log_path = log_dir / f"replicas-{configuration.name}-{i + 1}.log"
             servers.append(launch(f"{configuration.name} #{i + 1}", _KIND, command, log_path, port))
         wait_ready(servers)

@@ -292,6 +292,7 @@ class Engine:
 
     @property
     def control_texts(self) -> tuple[str, ...]:
+        """The texts of the model's control tokens (`<|im_start|>` and the like), longest first."""
         return self.model.control_texts
 
     def detokenize(self, tokens: list[int]) -> str:

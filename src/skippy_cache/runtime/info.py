@@ -90,8 +90,12 @@ class EngineConfig:
     #: Exports waiting for the store's writer, at most (past it an entry that
     #: leaves the pool is dropped rather than make the engine wait).
     max_pending_bytes: int = 512 << 20
-    #: The store's shared tier on a Redis/Valkey server (None: none). Needs the RAM tier.
+    #: The store's shared tier on a Redis/Valkey server (None: none). Needs the RAM tier and `cache_secret`.
     remote: RemoteConfig | None = None
+    #: The key every stored chunk is MAC'd with (`chunks.derive_secret`; `secretfile` reads one).
+    #: Replicas that share a tier must share it. None: the cache directory's secret, made there
+    #: on first start, or without a disk tier one made for this engine alone.
+    cache_secret: bytes | None = field(default=None, repr=False)
     #: Pinned entries (requests with `pin`) hold at most this share of the pool's cells, in percent;
     #: pinning past it releases the oldest pins first.
     pin_percent: int = 25

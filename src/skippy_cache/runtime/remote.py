@@ -4,9 +4,10 @@ Keys are `skippy:<format>:<chunk key>`: `<format>` is a short digest of the
 state format version, and the chunk key (chunks.py) already names the model,
 KV layout, namespace (`cache_salt`) and tokens, so replicas need no
 coordination: identical chunks from two replicas are one key and one value,
-and two tenants never share a key. Values are the sealed chunks, BLAKE3
-digest included; every value read is verified before it is imported, and one
-that fails is a miss (counted as `rejected`), never imported.
+and two tenants never share a key. Values are the sealed chunks, their
+keyed MAC included (chunks.py: replicas share the secret, `--cache-secret-file`);
+every value read is verified before it is imported, and one that fails is a
+miss (counted as `rejected`), never imported, and deleted from the server.
 
 The server evicts: run it with `maxmemory` and `maxmemory-policy volatile-ttl`.
 Every use of a chunk sets its expiry time from the cache's eviction order
@@ -309,9 +310,16 @@ class RemoteChunks:
         self._count(misses=n)
 
     def rejected(self, key: str, error: Exception) -> None:
-        """A fetched value failed verification: counted, logged, never imported."""
+        """A fetched value failed verification: counted, logged, never imported, and deleted.
+
+        Deleted, not left to expire: a replica that writes a chunk the server holds only renews
+        the held value, so a forged or corrupt value would otherwise stand in for the real one
+        for as long as anyone uses the prompt.
+        """
         self._count(rejected=1, hits=-1)
         log.warning("remote cache: refused chunk %s: %s", key, error)
+        if self.breaker.allow():
+            self._round_trip(self.config.timeout_ms, [("delete", self.name(key))])
 
     # -- writes (any thread queues; the writer sends) --------------------------------------
 

@@ -44,6 +44,7 @@ reaches the engine; the plan then finds them like any chunk in RAM.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -53,7 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from skippy_cache.chunks import Chunk, ChunkError, chunk_key, seal, tail_key, unseal
+from skippy_cache.chunks import SECRET_BYTES, Chunk, ChunkError, chunk_key, tail_key
 from skippy_cache.chunkstore import ChunkStore, Tier, slower
 from skippy_cache.diskchunks import CacheDirUnsafe, DiskChunks
 from skippy_cache.exact import Kernels, rows_key
@@ -63,6 +64,7 @@ from skippy_cache.placement import ALIGN
 from skippy_cache.runtime.info import EngineConfig, default_host_cache_bytes
 from skippy_cache.runtime.remote import Prefetched, RemoteChunks
 from skippy_cache.runtime.startup import StartupError
+from skippy_cache.secretfile import SecretFileError, cache_dir_secret
 from skippy_cache.sharedorder import reused_keys
 from skippy_cache.stateformat import Layout, StateFormatError, join, parse, split
 from skippy_cache.tiers import Hit, Source, StoreStats
@@ -597,20 +599,27 @@ class StateStore:
         return local, keys[local : local + run], last
 
     def _adopt(self, keys: Sequence[str], values: Sequence[bytes | None]) -> int:
-        """Keep the leading fetched values that verify; how many were kept."""
+        """Keep the leading fetched values that verify; how many were kept. Every fetched value that
+        fails is rejected (and so deleted from the server), past the first one too: a value left
+        there would stand for its chunk on every replica."""
         assert self.remote is not None
+        kept: int | None = None
         for n, (key, value) in enumerate(zip(keys, values, strict=True)):
             if value is None:
-                return n
+                kept = n if kept is None else kept
+                continue
             try:
-                unseal(key, value)
+                self.chunks.unseal(key, value)
             except ChunkError as exc:
                 self.remote.rejected(key, exc)
-                return n
+                kept = n if kept is None else kept
+                continue
+            if kept is not None:
+                continue
             with self._cv:
                 if not self.chunks.adopt(key, value, parent=keys[n - 1] if n else None):
-                    return n
-        return len(keys)
+                    kept = n
+        return len(keys) if kept is None else kept
 
     # -- stats and upkeep ----------------------------------------------------------------
 
@@ -739,7 +748,7 @@ class StateStore:
                 continue
             # Sealing (BLAKE3) and the disk write run without the lock: a slow disk
             # delays this thread, never a plan or a restore on the engine thread.
-            value = seal(Chunk(key, tokens, rows, logits))
+            value = self.chunks.seal(Chunk(key, tokens, rows, logits))
             disk = self.chunks.disk
             on_disk = page.durable and disk is not None and disk.write_file(key, value)
             with self._cv:
@@ -849,6 +858,12 @@ def open_store(
             ) from None
         except CacheDirUnsafe as exc:
             raise StartupError(str(exc)) from None  # its message already names the directory and the fix
+    try:
+        secret = _secret(config, disk, shared=config.remote is not None and ram > 0)
+    except BaseException:
+        if disk is not None:
+            disk.close()
+        raise
     remote = None
     note = None
     if config.remote is not None and ram <= 0:
@@ -856,9 +871,28 @@ def open_store(
         note = _no_remote(config, "it needs the RAM tier (--host-cache-mib > 0)")
     elif config.remote is not None:
         remote = RemoteChunks(config.remote)
-    store = StateStore(ChunkStore(ram, disk, policy=config.eviction), layout, config.chunk_tokens,
+    store = StateStore(ChunkStore(ram, disk, secret=secret, policy=config.eviction), layout, config.chunk_tokens,
                        max_pending_bytes=config.max_pending_bytes, remote=remote)
     return store, note
+
+
+def _secret(config: EngineConfig, disk: DiskChunks | None, *, shared: bool) -> bytes:
+    """The key chunks are MAC'd with: the configured one, the cache directory's, or one of this engine's."""
+    if config.cache_secret is not None:
+        return config.cache_secret
+    if shared:
+        # A secret of each replica's own would make every chunk another replica wrote fail its MAC:
+        # the shared tier would silently share nothing.
+        raise StartupError(
+            "--remote-cache needs --cache-secret-file: a file holding the secret every replica that "
+            "shares the tier seals its chunks with (e.g. openssl rand -hex 32 > FILE; chmod 600 FILE)"
+        )
+    if disk is not None:
+        try:
+            return cache_dir_secret(disk.root)
+        except (OSError, SecretFileError) as exc:
+            raise StartupError(f"--cache-dir {disk.root}: {exc}") from None
+    return os.urandom(SECRET_BYTES)  # nothing outlives this engine, so nothing needs to verify later
 
 
 def _no_remote(config: EngineConfig, why: str) -> str | None:

@@ -24,6 +24,7 @@ from skippy_cache.config import StageKvCacheConfig, parse_cache_mode
 from skippy_cache.eviction import Policy
 from skippy_cache.placement import ALIGN
 from skippy_cache.runtime import EngineConfig, RemoteConfig, builtin_chat_templates, redact
+from skippy_cache.secretfile import SecretFileError, read_secret_file
 from skippy_cache.server.chat import compile_template
 from skippy_cache.weights import WeightRepack, parse_weight_repack
 
@@ -118,6 +119,8 @@ class ServerSettings:
     dashboard_prefix_text: bool = True
     #: Pinned prompts (`"pin": true`) hold at most this share of the pool, in percent.
     pin_percent: int = 25
+    #: The file of the secret stored chunks are MAC'd with (None: the cache directory's; secretfile.py).
+    cache_secret_file: Path | None = None
     #: The store's shared tier: a Redis/Valkey URL (None: none).
     remote_cache: str | None = field(default=None, repr=False)  # may hold a password
     #: A file whose first line is the shared tier's password (overrides one in the URL).
@@ -151,7 +154,17 @@ class ServerSettings:
             pin_percent=self.pin_percent,
             tenant_cache_percent=self.tenant_cache_percent if self.api_keys is not None else 100,
             remote=self.remote_config(),
+            cache_secret=self.cache_secret(),
         )
+
+    def cache_secret(self) -> bytes | None:
+        """The chunk MAC key from `--cache-secret-file` (SettingsError if it is unreadable or unsafe)."""
+        if self.cache_secret_file is None:
+            return None
+        try:
+            return read_secret_file(self.cache_secret_file)
+        except SecretFileError as exc:
+            raise SettingsError(f"--cache-secret-file: {exc}") from None
 
     def remote_config(self) -> RemoteConfig | None:
         """The shared tier's settings, its password read from its file (SettingsError if unreadable)."""
@@ -422,6 +435,10 @@ OPTIONS: tuple[Option, ...] = (
            "share of the pool, in percent, that prompts pinned by requests ('pin': true) may hold; past it "
            "the pinner's oldest pin is released, never another tenant's (default 25; with --api-keys one "
            "tenant's pins hold at most --tenant-cache-percent of it)", "N"),
+    Option("cache_secret_file", "--cache-secret-file", "SKIPPY_CACHE_SECRET_FILE", "cache_secret_file", _path,
+           "file holding the secret (at least 32 bytes, mode 0600) every stored chunk is MAC'd with, so no "
+           "one who can write a tier can plant state; replicas that share --remote-cache must share it, "
+           "and --remote-cache needs it (default: DIR/secret in --cache-dir, made on first start)", "FILE"),
     Option("remote_cache", "--remote-cache", "SKIPPY_REMOTE_CACHE", "remote_cache", _remote_url,
            "shared tier of the state store on a Redis or Valkey server, for replicas that share one "
            "cache: redis://[user:pass@]host:port[/db], rediss:// (TLS) or unix:///path (default: none)",

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from skippy_cache.cells import CellMap
-from skippy_cache.chunks import Chunk, chunk_key, tail_key
+from skippy_cache.chunks import SECRET_BYTES, Chunk, chunk_key, tail_key
 from skippy_cache.chunkstore import ChunkStore, Tier, slower
 from skippy_cache.config import LLAMA_MAX_SEQ, ResidentCacheConfig
 from skippy_cache.diskchunks import DiskChunks
@@ -138,6 +138,10 @@ class Placeholder:
 
 class ReplayChunks(ChunkStore):
     """`ChunkStore` whose values are placeholders: nothing to verify, so a read never fails."""
+
+    def __init__(self, ram_bytes: int, disk: DiskChunks | None, *, policy: Policy,
+                 clock: Callable[[], float]) -> None:
+        super().__init__(ram_bytes, disk, secret=bytes(SECRET_BYTES), policy=policy, clock=clock)
 
     def _verify(self, key: str, value: bytes, tier: Tier) -> Chunk | None:
         return Chunk(key, 0, b"")
