@@ -9,6 +9,7 @@ deterministic-mode engines, where they are exact.
 from __future__ import annotations
 
 import json
+import math
 import threading
 
 import numpy as np
@@ -192,14 +193,16 @@ def test_the_grammar_binds_sampling_at_temperature_too(fast_engine):
 
 
 def test_a_grammar_that_allows_no_token_ends_its_request_alone(exact_engine):
-    """A schema whose pattern admits no character parses, then refuses every token: that request
-    ends with the reason, and a request decoding beside it gets exactly the tokens it gets alone."""
+    """A grammar whose only tokens the request's own logit bias bans: that request ends with the
+    reason, and a request decoding beside it gets exactly the tokens it gets alone. (A schema that
+    admits nothing is refused before it runs: test_an_unsatisfiable_schema_is_refused_up_front.)"""
     other = GenerationRequest(tokens=chat_prompt(exact_engine, "Name three rivers."), max_tokens=24,
                               record=False, lookup=False)
     alone = exact_engine.generate(other)
-    impossible = json_grammar({"type": "string", "pattern": "^[^\\x00-\\U0010FFFF]$"})
+    (q,) = exact_engine.tokenize("Q", add_special=False)
     doomed = GenerationRequest(tokens=chat_prompt(exact_engine, "Say anything."), max_tokens=24,
-                               sampling=SamplingParams(grammar=impossible))
+                               sampling=SamplingParams(grammar='start: "Q"',
+                                                       logit_bias=((q, -math.inf),)))
     results: dict[str, DoneEvent] = {}
     finished = threading.Semaphore(0)
 
@@ -221,6 +224,12 @@ def test_a_grammar_that_allows_no_token_ends_its_request_alone(exact_engine):
     assert exact_engine.stats().lanes_busy == 0 and not exact_engine.invariant_failures
 
 
+def test_an_unsatisfiable_schema_is_refused_up_front():
+    # llama.cpp's grammar took it and refused every token once it ran; llguidance says so at once.
+    with pytest.raises(ValueError, match="Unsatisfiable schema"):
+        json_grammar({"type": "string", "pattern": "^[^\\x00-\\U0010FFFF]$"})
+
+
 def test_a_lazy_grammar_holds_from_its_trigger_on(fast_engine):
     """Free text until a token ends the output with the trigger, then the grammar, then the end;
     a trigger inside a token that runs past it leaves the output free."""
@@ -229,7 +238,7 @@ def test_a_lazy_grammar_holds_from_its_trigger_on(fast_engine):
     # on what a step holds; a hit would compute the prompt otherwise).
     cold = {"record": False, "lookup": False}
     free = fast_engine.generate(GenerationRequest(tokens=tokens, max_tokens=30, **cold))
-    grammar = 'root ::= " cat" | " dog"'
+    grammar = 'start: " cat" | " dog"'
     for trigger in (" sea", " the"):
         lazy = fast_engine.generate(GenerationRequest(
             tokens=tokens, max_tokens=30, sampling=SamplingParams(grammar=grammar, grammar_trigger=trigger), **cold))
@@ -247,7 +256,7 @@ def test_a_lazy_grammar_holds_from_its_trigger_on(fast_engine):
 
 
 @pytest.mark.parametrize("request_args, param", [
-    (dict(sampling=SamplingParams(grammar="root ::= undefined-rule")), "response_format"),
+    (dict(sampling=SamplingParams(grammar="start: undefined_rule")), "response_format"),
     (dict(sampling=SamplingParams(logit_bias=((10**7, 1.0),))), "logit_bias"),
     (dict(sampling=SamplingParams(repeat_penalty=0.0)), "repeat_penalty"),
     (dict(top_logprobs=21), "top_logprobs"),

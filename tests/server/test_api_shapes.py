@@ -98,7 +98,7 @@ def test_each_tool_choice_gets_its_grammar() -> None:
     job = ChatJob(sampling=SamplingParams(), max_tokens=1, messages=[ChatMessage(role="user", content="x")],
                   tools=tools)
     required = tool_sampling(ChatJob(**{**job.__dict__, "tool_mode": "required"}))
-    head = 'one ::= ( "<tool_call>\\n{\\"name\\": \\"add\\", \\"arguments\\": " '
+    head = 'one: "<tool_call>\\n{\\"name\\": \\"add\\", \\"arguments\\": " value0'
     assert required.grammar_trigger is None and head in required.grammar
     # auto: a call once the reply opens one, from just after its opening tag.
     auto = tool_sampling(ChatJob(**{**job.__dict__, "tool_mode": "auto"}))

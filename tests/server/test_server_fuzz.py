@@ -15,6 +15,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from live_server import LiveServer, run_server
 from schemathesis import GenerationMode
 
@@ -103,6 +104,80 @@ def test_no_5xx_and_every_error_is_in_its_apis_shape(api_schema: schemathesis.Ba
                   derandomize=True, database=None)
         def fuzz(case: schemathesis.Case) -> None:
             check_answer(case)
+
+        fuzz()
+
+
+# -- generated JSON schemas, in response_format and in tools ----------------------------------------
+
+#: Counts small, large and past anything a grammar could write out (llama.cpp's converter once
+#: ended the process at 200,000), and negative and fractional ones no schema should hold.
+_COUNTS = st.one_of(st.integers(0, 12), st.sampled_from([1000, 200_000, 50_000_000, 10**12]), st.integers(-3, -1),
+                    st.just(2.5))
+#: Regexes real schemas use, counted ones, impossible ones, and text that is no regex at all.
+_PATTERNS = st.one_of(
+    st.sampled_from(["^[a-z]+$", "^\\d{3}-\\d{4}$", "^a{1000000000}$", "^(a|aa)*b$", "^[^\\x00-\\U0010FFFF]$",
+                     "(?=x)y", "^\\p{L}+$", "[", "a{5,2}"]),
+    st.text(alphabet="ab()[]{}|*+?^$\\.,-0123456789", max_size=12))
+_JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=8),
+                            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                       max_size=3),
+                            max_leaves=6)
+_KEYS = st.text(alphabet="abcdefxyz_\u00e9\U0001f600\"\\", min_size=1, max_size=6)
+_LEAVES = st.one_of(
+    st.fixed_dictionaries({"type": st.just("string")}, optional={
+        "minLength": _COUNTS, "maxLength": _COUNTS, "pattern": _PATTERNS,
+        "format": st.sampled_from(["date-time", "date", "uri", "email", "uuid", "ipv4", "x-unknown"])}),
+    st.fixed_dictionaries({"type": st.sampled_from(["integer", "number"])}, optional={
+        "minimum": st.integers(-10**15, 10**15), "maximum": st.integers(-10**15, 10**15),
+        "exclusiveMinimum": st.integers(-5, 5), "multipleOf": st.sampled_from([0, 1, 3, 0.5, -2])}),
+    st.fixed_dictionaries({"type": st.sampled_from(["boolean", "null", "nothing", ["string", "integer"]])}),
+    st.fixed_dictionaries({"enum": st.lists(_JSON_VALUES, max_size=12)}),
+    st.fixed_dictionaries({"const": _JSON_VALUES}),
+    st.sampled_from([{}, {"$ref": "#"}, {"$ref": "#/$defs/missing"}, {"$ref": "https://example.com/s.json"},
+                     {"description": "anything at all"}]),
+)
+SCHEMAS = st.recursive(_LEAVES, lambda children: st.one_of(
+    st.fixed_dictionaries({"type": st.just("array"), "items": children}, optional={
+        "minItems": _COUNTS, "maxItems": _COUNTS, "uniqueItems": st.booleans(),
+        "prefixItems": st.lists(children, max_size=3)}),
+    st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(_KEYS, children, max_size=4)},
+                          optional={"required": st.lists(_KEYS, max_size=3),
+                                    "additionalProperties": st.booleans() | children,
+                                    "minProperties": _COUNTS, "maxProperties": _COUNTS}),
+    st.sampled_from(["anyOf", "oneOf", "allOf"]).flatmap(
+        lambda keyword: st.fixed_dictionaries({keyword: st.lists(children, min_size=1, max_size=3)})),
+    st.fixed_dictionaries({"not": children}),
+    st.fixed_dictionaries({"$defs": st.dictionaries(_KEYS, children, max_size=2), "$ref": st.just("#/$defs/a")}),
+), max_leaves=10)
+
+
+def _schema_body(schema: object, where: str) -> dict:
+    messages = [{"role": "user", "content": "Answer in JSON."}]
+    if where == "response_format":
+        return {"messages": messages, "max_tokens": MAX_TOKENS, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "fuzzed", "schema": schema}}}
+    return {"messages": messages, "max_tokens": MAX_TOKENS, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "fuzzed", "parameters": schema}}]}
+
+
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_generated_schemas_get_an_answer_or_a_400_naming_their_field(fuzz_server: LiveServer, where: str) -> None:
+    """Whatever schema a tenant sends, it compiles within the grammar limits and is answered, or is
+    a 400 naming where it was sent (or, passing the limits mid-output, a 400 of its own); never a
+    5xx, and the server keeps answering /health between them."""
+    with fuzz_server.http(timeout=120) as http, fuzz_server.http(timeout=30) as health:
+
+        @given(schema=SCHEMAS)
+        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+                  derandomize=True, database=None)
+        def fuzz(schema: object) -> None:
+            response = http.post("/v1/chat/completions", json=_schema_body(schema, where))
+            assert response.status_code in (200, 400), (schema, response.status_code, response.text[:500])
+            if response.status_code == 400:
+                error = response.json()["error"]
+                assert error["param"] in (where, None) and error["message"], (schema, error)
+            assert health.get("/health").status_code == 200
 
         fuzz()
 

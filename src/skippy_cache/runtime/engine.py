@@ -61,7 +61,7 @@ from skippy_cache.runtime.native import (
     NativeError,
     NativeModel,
     Sampler,
-    grammar_parses,
+    grammar_error,
     runtime_abi,
 )
 from skippy_cache.runtime.pool import CellPool
@@ -308,10 +308,8 @@ class Engine:
         """Raise `RequestError` for a request that could never run."""
         validate_request(request, n_vocab=self.model.n_vocab, n_ctx=self.n_ctx)
         grammar = request.sampling.grammar
-        if grammar is not None and not grammar_parses(self.model, grammar):
-            # The only way a grammar reaches the engine from the API is response_format.
-            raise RequestError("llama.cpp could not parse the grammar made for response_format",
-                               param="response_format")
+        if grammar is not None and (error := grammar_error(grammar)):
+            raise RequestError(f"the grammar made for the request cannot be used: {error}", param="response_format")
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
         """Queue a request; events arrive on `sink` from the engine thread."""

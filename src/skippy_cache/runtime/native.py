@@ -15,14 +15,18 @@ import json
 import os
 import re
 import threading
+import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as ll
 import numpy as np
+from blake3 import blake3
 from llama_cpp._ggml import libggml
-from llama_cpp.llama_grammar import JSON_GBNF, SchemaConverter
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+from llguidance.llamacpp import lltokenizer_from_vocab
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -187,6 +191,19 @@ class NativeModel:
         texts = {self.token_bytes(t, special=True).decode("utf-8", "replace")
                  for t in range(self.n_vocab) if ll.llama_vocab_get_attr(self.vocab, t) & ll.LLAMA_TOKEN_ATTR_CONTROL}
         return tuple(sorted(t for t in texts if t))
+
+    @functools.cached_property
+    def grammar_tokenizer(self) -> LLTokenizer:
+        """llguidance's view of the vocabulary (a quarter second to build, once).
+
+        Every end-of-generation token ends a grammar's output, not only `eos`: a chat model ends
+        its turn with its end-of-turn token."""
+        eog = [t for t in range(self.n_vocab) if self.is_eog(t)]
+        with warnings.catch_warnings():
+            # It reads each token's attributes through a call llama-cpp-python marks deprecated:
+            # one warning per token otherwise.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return lltokenizer_from_vocab(self.vocab, eos_token=eog or None)
 
     def special_text(self, token: int) -> str:
         """A special token's text (`<|im_start|>`), or "" when the model has none (-1)."""
@@ -365,7 +382,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     #: (token id, bias) pairs added to those tokens' logits; -100 bans a token, 100 forces it.
     logit_bias: tuple[tuple[int, float], ...] = ()
-    #: A GBNF grammar (start rule `root`) every output must match; None: any text.
+    #: A grammar every output must match (llguidance's: Lark text with start rule `start`, or what
+    #: `json_grammar` makes); None: any text.
     grammar: str | None = None
     #: Makes `grammar` lazy: the output is free until a token ends it with this text, and
     #: follows `grammar` from the next token on (a tool call's opening tag). A token that runs
@@ -381,86 +399,84 @@ class SamplingParams:
 PENALTY_LAST_N = 64
 
 
-def json_grammar(schema: dict | None = None) -> str:
-    """GBNF for JSON output: any JSON object (`schema` None), or JSON that follows `schema`.
+#: Bounds every grammar's compile and every mask: whatever the schema, a grammar that would pass
+#: them is refused when it is checked (`grammar_error`), and a step that would pass them mid-output
+#: ends its own request. Tighter than llguidance's defaults, since a mask is computed on the
+#: engine thread, where every lane waits for it: its lexer work per step is a quarter (a regex
+#: like `a{1000000000}` stopped after about 40 ms of one step here, not 300), and its lexer states
+#: a fifth (each is 1-2 kB, and one tenant's schema must not take the server's memory).
+GRAMMAR_LIMITS = LLParserLimits(max_lexer_states=50_000, initial_lexer_fuel=200_000, step_lexer_fuel=50_000,
+                                verbose_errors=False)
 
-    llama-cpp-python's own converter (`llama_cpp.llama_grammar`, a port of
-    llama.cpp's json-schema-to-grammar); raises ValueError when it refuses the schema.
-    """
-    if schema is None:
-        return JSON_GBNF
-    converter = _converter()
-    _visit(converter, schema, "stdin", "")
-    return converter.format_grammar()
+#: How a schema's JSON is spelled: `lenient` ignores keywords llguidance does not implement
+#: (`format`, `$comment`, ...) as llama.cpp's converter does, rather than refuse real tool
+#: schemas; whitespace is bounded, so a small model cannot pad its output with it forever.
+_JSON_OPTIONS = {"lenient": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
+
+
+def json_grammar(schema: dict | bool | None = None) -> str:
+    """The grammar (llguidance's) of JSON output: any JSON object (`schema` None), or JSON that
+    follows `schema`. ValueError for a schema that is not JSON (a lone surrogate, say) or
+    that does not compile (one that admits nothing, or is past `GRAMMAR_LIMITS`)."""
+    grammar = LLMatcher.grammar_from_json_schema({"type": "object"} if schema is None else schema,
+                                                 defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+    error = grammar_error(grammar)
+    if error:
+        raise ValueError(f"the JSON schema cannot be turned into a grammar: {error}")
+    return grammar
 
 
 def literal_json_grammar(alternatives: Sequence[tuple[str, str, dict, str]], *, repeat_with: str | None) -> str:
-    """GBNF for one of `alternatives` (a label for errors, text before, a JSON value following the
-    schema, text after), or, with `repeat_with`, one or more of them joined by that text: the shape
-    of tool calls, whose wrapping is fixed text and whose arguments follow each tool's schema.
-    ValueError, led by its label, for a schema the converter refuses."""
-    converter = _converter()
-    choices = []
+    """The grammar of one of `alternatives` (a label for errors, text before, a JSON value following
+    the schema, text after), or, with `repeat_with`, one or more of them joined by that text: the
+    shape of tool calls, whose wrapping is fixed text and whose arguments follow each tool's schema.
+    ValueError, led by its label, for a schema that is not JSON or does not compile."""
+    rules = []
     for i, (label, before, schema, after) in enumerate(alternatives):
         try:
-            _visit(converter, schema, f"alternative-{i}", f"alternative-{i}-value")
+            json_grammar(schema)
+            body = json.dumps(_with_options(schema), ensure_ascii=True)
         except ValueError as exc:
             raise ValueError(f"{label}: {exc}") from None
-        choices.append(f"{json.dumps(before)} alternative-{i}-value {json.dumps(after)}")
-    one = "one ::= " + " | ".join(f"( {c} )" for c in choices)
-    root = f"root ::= one ( {json.dumps(repeat_with)} one )*" if repeat_with is not None else "root ::= one"
-    return f"{root}\n{one}\n{converter.format_grammar()}"
+        rules.append(f"value{i}: %json {body}")
+    # Lark string literals are JSON strings: json.dumps escapes whatever the text holds.
+    one = "one: " + " | ".join(f"{json.dumps(before)} value{i} {json.dumps(after)}"
+                               for i, (_, before, _, after) in enumerate(alternatives))
+    start = f"start: one ({json.dumps(repeat_with)} one)*" if repeat_with is not None else "start: one"
+    return LLMatcher.grammar_from_lark("\n".join([start, one, *rules]) + "\n")
 
 
-def _converter() -> SchemaConverter:
-    # As `json_schema_to_gbnf` makes it: no property order, no fetched $refs, no dotall patterns.
-    return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+def _with_options(schema: dict) -> dict | bool:
+    """`schema` with the JSON options in its `x-guidance` (how a Lark `%json` rule takes them)."""
+    if not isinstance(schema, dict):
+        return schema
+    return {**schema, "x-guidance": {**_JSON_OPTIONS, **schema.get("x-guidance", {})}}
 
 
-#: The largest repetition a schema may ask for (`minLength`, `maxItems`, a pattern's `{n,m}`, ...).
-#: The converter writes a count out as that many grammar rules: past a few thousand llama.cpp's
-#: recursive grammar parser refuses the grammar, far past it the parser overflows the stack and
-#: ends the process, and a large `minLength` takes seconds and gigabytes to write out.
-MAX_SCHEMA_REPEAT = 1000
-_COUNT_KEYWORDS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
-_QUANTIFIER = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+def grammar_error(grammar: str) -> str:
+    """Why `grammar` cannot be used ("" when it can): a syntax error, a schema that admits nothing,
+    or a grammar past `GRAMMAR_LIMITS`. Bounded in time by those limits (a large grammar takes a
+    few hundred milliseconds: call it off the event loop), GIL released. Remembered by digest:
+    the server checks a grammar where it is made and the engine again where it is submitted,
+    and the second check must not cost the compile again on the caller's thread."""
+    key = blake3(grammar.encode("utf-8", "surrogatepass")).digest()
+    with _checked_lock:
+        known = _checked.get(key)
+        if known is not None:
+            _checked.move_to_end(key)
+            return known
+    error = LLMatcher.validate_grammar(grammar, None, limits=GRAMMAR_LIMITS)
+    with _checked_lock:
+        _checked[key] = error
+        while len(_checked) > _CHECKED_GRAMMARS:
+            _checked.popitem(last=False)
+    return error
 
 
-def check_schema_bounds(schema: object) -> None:
-    """ValueError naming the first keyword whose count is past `MAX_SCHEMA_REPEAT` (walked without
-    recursion: the schema's depth is the client's to choose)."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        for key, value in node.items():
-            if key in _COUNT_KEYWORDS and isinstance(value, int | float) and value > MAX_SCHEMA_REPEAT:
-                raise ValueError(f"{key} {value} is past what this server turns into a grammar "
-                                 f"(at most {MAX_SCHEMA_REPEAT})")
-            if key == "pattern" and isinstance(value, str):
-                for low, high in _QUANTIFIER.findall(value):
-                    if any(len(n) > 6 or int(n) > MAX_SCHEMA_REPEAT for n in (low, high) if n):
-                        raise ValueError(f"pattern repeats {{{low}{',' + high if high else ''}}} times, past what "
-                                         f"this server turns into a grammar (at most {MAX_SCHEMA_REPEAT})")
-            if isinstance(value, dict | list):
-                stack.append(value)
-
-
-def _visit(converter: SchemaConverter, schema: dict, url: str, name: str) -> None:
-    """Add `schema`'s rules under `name`; whatever the converter's walk raises becomes one ValueError.
-
-    The converter rewrites `$ref`s in place: it gets a copy, never the request's own schema."""
-    check_schema_bounds(schema)
-    try:
-        converter.visit(converter.resolve_refs(json.loads(json.dumps(schema)), url), name)
-    except RecursionError:
-        raise ValueError("the schema nests too deeply") from None
-    except Exception as exc:  # noqa: BLE001 - the converter raises whatever its walk hits (KeyError, TypeError, ...)
-        raise ValueError(f"the JSON schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from None
+#: Grammars checked lately, by digest (32 bytes each: the grammars themselves are not kept).
+_CHECKED_GRAMMARS = 4096
+_checked: OrderedDict[bytes, str] = OrderedDict()
+_checked_lock = threading.Lock()
 
 
 @functools.cache
@@ -499,14 +515,22 @@ _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
 _DEFAULT_SEED = 0xFFFFFFFF
 
 
+def _grammar_failure(matcher: LLMatcher) -> str:
+    # Without verbose errors llguidance still appends a marker that says nothing to a client.
+    error = matcher.get_error().replace("<non-verbose/>", "").strip()
+    return f"the grammar (from response_format or tools) went past this server's grammar limits or failed: {error}"
+
+
 class Sampler:
     """A llama.cpp sampler chain for one request, and its grammar if it has one.
 
-    The grammar is kept out of the chain and checked against the chain's pick
-    (one token), the chain running again over the grammar's survivors only when
-    the pick breaks it: llama.cpp's `common_sampler_sample` does this because
-    applying a grammar to the whole vocabulary costs a walk of every token's
-    text for every sampled token.
+    The grammar is an llguidance matcher: its compile and each of its steps are
+    bounded (`GRAMMAR_LIMITS`), so no schema can make it take unbounded time or
+    memory, and it reports a failure instead of aborting the process as
+    llama.cpp's grammar does. It is kept out of the chain and checked against
+    the chain's pick (one token), the chain running again over the grammar's
+    mask only when the pick breaks it, as llama.cpp's `common_sampler_sample`
+    does: most picks already fit, and checking one costs less than a mask.
 
     A lazy grammar (`grammar_trigger`) is made only once a token ends the output
     with the trigger, and holds from the next token. llama.cpp's own lazy grammar
@@ -567,11 +591,11 @@ class Sampler:
                 self.close()
                 raise
 
-    def _make_grammar(self, text: str) -> object:
-        grammar = ll.llama_sampler_init_grammar(self._model.vocab, text.encode("utf-8"), b"root")
-        if not grammar:
-            raise NativeError("llama.cpp could not parse the grammar")
-        return grammar
+    def _make_grammar(self, text: str) -> LLMatcher:
+        matcher = LLMatcher(self._model.grammar_tokenizer, text, limits=GRAMMAR_LIMITS, log_level=0)
+        if matcher.is_error():
+            raise NativeError(_grammar_failure(matcher))
+        return matcher
 
     def sample(self, ctx: NativeContext, row: int) -> int:
         """Sample from batch row `row`'s logits and accept the token (`llama_sampler_sample`)."""
@@ -584,11 +608,12 @@ class Sampler:
 
     def sample_logits(self, logits: np.ndarray) -> int:
         """What `sample` does, on logits kept from an earlier decode: apply the chain, accept."""
-        token = self._pick(logits, with_grammar=False)
+        token = self._pick(logits)
         if self.grammar is not None:
-            if not self._grammar_allows(token):
-                token = self._pick(logits, with_grammar=True)
-            ll.llama_sampler_accept(self.grammar, token)
+            if self.grammar.validate_tokens([token]) != 1:
+                token = self._pick(logits, self._allowed(logits.shape[0]))
+            if not self.grammar.consume_token(token):
+                raise NativeError(_grammar_failure(self.grammar))
         ll.llama_sampler_accept(self.ptr, token)
         self._watch(token)
         return token
@@ -602,46 +627,40 @@ class Sampler:
             self.grammar = self._make_grammar(self._dormant)
             self._dormant = None
 
-    def _pick(self, logits: np.ndarray, *, with_grammar: bool) -> int:
-        """The chain's choice over all of `logits` (with the grammar applied first: only over what it allows)."""
+    def _pick(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
+        """The chain's choice over all of `logits`, or only over the tokens `allowed` (a grammar's mask)."""
         n = logits.shape[0]
         data = np.empty(n, dtype=_TOKEN_DATA)
         data["id"] = np.arange(n, dtype=np.int32)
-        data["logit"] = logits
+        data["logit"] = logits if allowed is None else np.where(allowed, logits, -np.inf)
         data["p"] = 0.0
         cur = ll.llama_token_data_array(
             data=data.ctypes.data_as(ll.llama_token_data_p), size=n, selected=-1, sorted=False
         )
-        if with_grammar:
-            ll.llama_sampler_apply(self.grammar, ctypes.byref(cur))
         ll.llama_sampler_apply(self.ptr, ctypes.byref(cur))
         if not 0 <= cur.selected < cur.size:
             raise NativeError(f"the sampler chain selected no token ({cur.selected})")
         chosen = cur.data[cur.selected]
-        if with_grammar and chosen.logit == -np.inf:
-            # Accepting a token the grammar refuses aborts the process inside llama.cpp.
+        if allowed is not None and chosen.logit == -np.inf:
+            # Every token the grammar allows was ruled out by the chain (a logit bias of -inf).
             raise NativeError("the grammar allows no token here")
         return int(chosen.id)
 
-    def _grammar_allows(self, token: int) -> bool:
-        one = (ll.llama_token_data * 1)(ll.llama_token_data(token, 1.0, 0.0))
-        cur = ll.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
-        ll.llama_sampler_apply(self.grammar, ctypes.byref(cur))
-        return one[0].logit != -np.inf
+    def _allowed(self, n_vocab: int) -> np.ndarray:
+        """The grammar's mask over the vocabulary, as booleans; NativeError when it allows nothing."""
+        assert self.grammar is not None
+        bits = np.frombuffer(self.grammar.compute_bitmask(), dtype=np.uint8)
+        if self.grammar.is_error():
+            raise NativeError(_grammar_failure(self.grammar))
+        allowed = np.unpackbits(bits, bitorder="little")[:n_vocab].astype(bool)
+        if len(allowed) < n_vocab:
+            allowed = np.concatenate([allowed, np.zeros(n_vocab - len(allowed), dtype=bool)])
+        if not allowed.any():
+            raise NativeError("the grammar allows no token here")
+        return allowed
 
     def close(self) -> None:
         if self.ptr:
             ll.llama_sampler_free(self.ptr)
             self.ptr = None
-        if self.grammar:
-            ll.llama_sampler_free(self.grammar)
-            self.grammar = None
-
-
-def grammar_parses(model: NativeModel, grammar: str) -> bool:
-    """llama.cpp accepts `grammar` (GBNF, start rule `root`); it logs why when it does not."""
-    sampler = ll.llama_sampler_init_grammar(model.vocab, grammar.encode("utf-8"), b"root")
-    if not sampler:
-        return False
-    ll.llama_sampler_free(sampler)
-    return True
+        self.grammar = None

@@ -116,7 +116,7 @@ class Generation:
     async def prompt_size(self, job: ChatJob) -> int:
         """How many tokens a chat job's prompt has, as `start_chat` would render it."""
         self.limits.check_messages(len(job.messages))
-        tool_sampling(job)  # the same 400s for tools the converter refuses
+        await asyncio.to_thread(tool_sampling, job)  # the same 400s for tools whose schemas do not compile
         prompt = await asyncio.to_thread(self._chat_prompt, job)
         return len(prompt.tokens)
 
@@ -126,7 +126,8 @@ class Generation:
         the prompt's length."""
         self.limits.check_stop(list(job.stop))
         self.limits.check_messages(len(job.messages))
-        job = replace(job, sampling=tool_sampling(job))
+        # Off the event loop: every tool's schema is compiled to a grammar.
+        job = replace(job, sampling=await asyncio.to_thread(tool_sampling, job))
         prompt = await asyncio.to_thread(self._chat_prompt, job)
         self.limits.check_prompt(len(prompt.tokens), param=job.prompt_param)
         if job.max_tokens is None:
@@ -316,8 +317,9 @@ def tool_sampling(job: ChatJob) -> SamplingParams:
     from the first token; auto, a call once the reply opens one (a lazy grammar), unless
     `response_format` already holds the reply to a grammar; none, as it is.
 
-    Every tool's schema is converted whatever the choice, so a schema the converter refuses is a
-    400 on the request that sends it, not on a later one that asks for a call."""
+    Every tool's schema is compiled whatever the choice, so a schema that does not compile is a
+    400 on the request that sends it, not on a later one that asks for a call. Takes as long as
+    the compiles (bounded by the runtime's grammar limits): call it off the event loop."""
     if not job.tools:
         return job.sampling
     mode = job.tool_mode
@@ -387,8 +389,15 @@ def _cancelled(client_left: bool) -> APIError:
 
 
 async def parse_body(request: Request, model: type[T]) -> T:
-    """The JSON body as `model`; a 400 naming the field otherwise."""
-    raw = await request.body()
+    """The JSON body as `model`; a 400 naming the field otherwise.
+
+    Parsed on a worker thread: a body's JSON and its schemas' grammars (compiled as the body is
+    validated) take time that grows with what a client sends, and the event loop serves everyone.
+    """
+    return await asyncio.to_thread(_parse_body, await request.body(), model)
+
+
+def _parse_body(raw: bytes, model: type[T]) -> T:
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

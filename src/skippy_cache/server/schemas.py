@@ -103,13 +103,13 @@ class JsonSchemaSpec(Strict):
     description: str | None = None
     #: Aliased: `schema` shadows a pydantic BaseModel attribute. Absent: any JSON object.
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    #: Either way the output follows the schema, as far as the grammar converter supports it.
+    #: Either way the output follows the schema, as far as llguidance implements its keywords.
     strict: bool | None = None
 
 
 class ResponseFormatSpec(Strict):
-    """`response_format`: text, any JSON object, or JSON following a schema, enforced by a llama.cpp
-    grammar made here by llama-cpp-python's JSON-schema converter (a schema it refuses is a 400)."""
+    """`response_format`: text, any JSON object, or JSON following a schema, enforced by a grammar
+    compiled here by llguidance (a schema that does not compile is a 400)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
@@ -136,7 +136,7 @@ class ResponseFormatSpec(Strict):
 
     @property
     def grammar(self) -> str | None:
-        """GBNF for the output (start rule `root`); None for text."""
+        """The output's grammar (`runtime.json_grammar`'s); None for text."""
         return self._grammar
 
 

@@ -116,10 +116,10 @@ def _replayed(message: ChatMessage, reply: str | None) -> str | None:
 
 
 def call_grammar(tools: Sequence[ToolSpec], mode: str, parallel: bool) -> str:
-    """GBNF for `tool_choice` required (any tool) or named (that one), one call or, with
+    """The grammar for `tool_choice` required (any tool) or named (that one), one call or, with
     `parallel`, several; for auto, one call of any tool from just after its opening tag (a lazy
-    grammar, switched on by `TRIGGER`). ValueError names a tool whose schema the converter
-    refuses."""
+    grammar, switched on by `TRIGGER`). ValueError names a tool whose schema does not
+    compile."""
     chosen = [t for t in tools if mode in ("required", "auto") or t.function.name == mode]
     # Under auto the opening tag is already out when the grammar starts.
     cut = len(TRIGGER) if mode == "auto" else 0
