@@ -178,3 +178,36 @@ def test_a_final_assistant_message_is_continued(exact_server: LiveServer) -> Non
     completion = exact_server.openai().completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
     assert message.content[0].text == completion.choices[0].text
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == completion.usage.prompt_tokens
+
+
+def test_claude_codes_first_request_shape_is_answered_naming_what_is_ignored(exact_server: LiveServer) -> None:
+    """What Claude Code 2.1 sends on its first request, cut down: harness context in a system
+    message after the user turn, context_management, adaptive thinking, an effort hint, metadata
+    whose user_id is a JSON string, a tool whose schema is only a description (any value) under
+    auto, cache_control on the last user block. Answered; each ignored field named in a header and
+    counted; and the next request, which appends turns, reuses everything before them."""
+    user = {"role": "user", "content": [{"type": "text", "text": "Say hello.", "cache_control": {"type": "ephemeral"}}]}
+    harness = {"role": "system", "content": "Available agents: general-purpose. Available skills: none."}
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 24, "temperature": 0, "system": SYSTEM,
+            "messages": [user, harness],
+            "tools": [*TOOLS, {"name": "Workflow", "description": "Run a workflow",
+                               "input_schema": {"type": "object", "properties": {
+                                   "spec": {"description": "Any JSON value describing the workflow"}}}}],
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+            "metadata": {"user_id": json.dumps({"device_id": "d1", "session_id": "s1"})},
+            "cache_salt": "claude-code-shape"}
+    with exact_server.http(timeout=120) as http:
+        first = http.post("/v1/messages", json=body)
+        assert first.status_code == 200, first.text
+        assert first.headers["x-skippy-ignored"] == "context_management,metadata,thinking"
+        assert first.json()["stop_reason"] in ("end_turn", "max_tokens", "tool_use")
+        reply = first.json()["content"]
+        more = {**body, "messages": [user, harness, {"role": "assistant", "content": reply},
+                                     {"role": "user", "content": "And once more."}]}
+        second = http.post("/v1/messages", json=more).json()
+        reused = second["usage"]["cache_read_input_tokens"]
+        assert reused >= first.json()["usage"]["input_tokens"] + first.json()["usage"]["cache_read_input_tokens"], \
+            second["usage"]
+        metrics = http.get("/metrics").text
+    assert 'skippy_ignored_fields_total{endpoint="/v1/messages",field="context_management"} 2.0' in metrics

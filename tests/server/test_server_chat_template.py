@@ -129,3 +129,40 @@ def test_a_chat_template_setting_is_a_file_or_a_builtin_name(tmp_path) -> None:
     bad.write_text("{% for %}")
     with pytest.raises(SettingsError, match="not a Jinja template"):
         load_settings(env={"SKIPPY_CHAT_TEMPLATE": str(bad)})
+
+
+#: Gemma's rule, cut down: roles alternate user, model, user, ..., and a system message may only
+#: open the conversation (it joins the first user turn).
+ALTERNATING = (
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Roles must alternate') }}{% endif %}"
+    "<{{ m.role }}>{{ m.content }}</{{ m.role }}>"
+    "{% endfor %}<assistant>"
+)
+
+
+def test_a_later_system_message_is_a_system_turn_where_the_template_takes_one() -> None:
+    chat = ChatFormatter(choose_chat_template(None, SMOLLM2, "llama"), bos_token="", eos_token="")
+    assert chat.caps.late_system
+    text = chat.render(messages(("user", "Hi"), ("system", "Skills: none."), ("assistant", "Hello"), ("user", "Go")))
+    assert "<|im_start|>user\nHi<|im_end|>\n<|im_start|>system\nSkills: none.<|im_end|>\n" in text
+
+
+@pytest.mark.parametrize("lead", [(), (("system", "Be brief."),)], ids=["no-system", "system-first"])
+def test_a_later_system_message_ends_the_user_turn_before_it_where_the_template_takes_none(lead) -> None:
+    chat = ChatFormatter(choose_chat_template(None, ALTERNATING, "gemma3"), bos_token="", eos_token="")
+    assert not chat.caps.late_system and not chat.caps.system_role
+    first = [*lead, ("user", "Hi"), ("system", "Skills: none.")]
+    later = [*first, ("assistant", "Hello"), ("user", "Go"), ("system", "Reminder.")]
+    one, two = chat.render(messages(*first)), chat.render(messages(*later))
+    opening = "Be brief.\n\n" if lead else ""
+    assert one == f"<user>{opening}Hi\n\nSkills: none.</user><assistant>"
+    # The conversation grows after the system message: everything before renders as before.
+    assert two.startswith(one.removesuffix("<assistant>"))
+    assert two.endswith("<user>Go\n\nReminder.</user><assistant>")
+
+
+def test_a_system_message_with_no_user_turn_before_it_opens_the_next() -> None:
+    chat = ChatFormatter(choose_chat_template(None, ALTERNATING, "gemma3"), bos_token="", eos_token="")
+    assert chat.render(messages(("system", "A"), ("system", "B"), ("user", "Hi"))) == "<user>A\n\nB\n\nHi</user><assistant>"

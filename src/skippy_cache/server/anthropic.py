@@ -119,7 +119,9 @@ def _known_blocks(value: Any) -> Any:
 
 
 class AnthropicMessage(Strict):
-    role: Literal["user", "assistant"]
+    #: "system": instructions in the middle of a conversation (Claude Code sends its harness
+    #: context so, after the first user turn), rendered as a system turn there (prompts.py).
+    role: Literal["user", "assistant", "system"]
     #: A string is one text block.
     content: list[ContentBlock]
 
@@ -130,7 +132,8 @@ class AnthropicMessage(Strict):
 
     @model_validator(mode="after")
     def _blocks_fit_role(self) -> AnthropicMessage:
-        wrong = ToolResultBlock if self.role == "assistant" else (ToolUseBlock, ThinkingBlock)
+        wrong = {"assistant": ToolResultBlock, "user": (ToolUseBlock, ThinkingBlock)}.get(
+            self.role, (ToolUseBlock, ThinkingBlock, ToolResultBlock))
         for block in self.content:
             if isinstance(block, wrong):
                 raise ValueError(f"a {self.role} message cannot hold a {block.type!r} block")
@@ -198,6 +201,8 @@ class OutputConfig(Strict):
 
 
 class MessagesRequest(Strict):
+    IGNORED = frozenset({"metadata", "service_tier", "thinking", "cache_control", "speed", "inference_geo",
+                         "context_management"})
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
@@ -215,6 +220,8 @@ class MessagesRequest(Strict):
     #: Anthropic's fast mode and where it runs inference: one speed and one place here.
     speed: str | None = None
     inference_geo: str | None = None
+    #: Claude Code's: what the API may clear from a long context; nothing is cleared here.
+    context_management: dict[str, Any] | None = None
     # The fields a generation shares with the chat API, and this server's own.
     cache_salt: CacheSalt | None = None
     cache: CacheControl = Field(default_factory=CacheControl)
@@ -332,7 +339,9 @@ def _chat_messages(message: AnthropicMessage, k: int, called: set[str]) -> list[
                                code="invalid_value")
             flush_text()
             out.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=block.text))
-    if message.role == "user":
+    if message.role == "system":
+        out.append(ChatMessage(role="system", content="\n".join(texts)))
+    elif message.role == "user":
         flush_text()
     elif texts or calls:
         out.append(ChatMessage(role="assistant", content="\n".join(texts) or None, tool_calls=calls or None))

@@ -81,11 +81,15 @@ class TemplateCaps:
     #: Tools, calls and tool results, calls in the syntax server/tools.py parses; otherwise the
     #: tools go into the system message and calls and results into text (tools.py's fallback).
     tools: bool
+    #: A system message after the conversation's start, where it stands (ChatML's, Qwen's and
+    #: Llama 3's templates take one; Gemma's refuse it: it then ends the user turn before it).
+    late_system: bool = True
 
     def describe(self) -> str:
         tools = "rendered by the template" if self.tools else "fallback block in the system message"
         system = "" if self.system_role else "; no system role (it opens the first user turn)"
-        return f"tools {tools}{system}"
+        late = "" if self.late_system or not self.system_role else "; a later system message ends the user turn before it"
+        return f"tools {tools}{system}{late}"
 
 
 class ChatTemplateError(ValueError):
@@ -194,6 +198,8 @@ class ChatFormatter:
         if scrub is not None:
             dicts = [_scrubbed(d, scrub) for d in dicts]
             tool_dicts = [_scrubbed(t, scrub) for t in tool_dicts]
+        if not (self.caps.system_role and self.caps.late_system):
+            dicts = _late_system_folded(dicts)
         if not self.caps.system_role and len(dicts) > 1 and dicts[0]["role"] == "system":
             # A template that refuses the system role (Gemma's) gets it as the first user turn's opening.
             system, first = dicts[0], dicts[1]
@@ -244,11 +250,37 @@ class ChatFormatter:
                    {"role": "tool", "tool_call_id": "call_probe", "content": "skippy-probe-result"}]
         tools = renders(history, [PROBE_TOOL], PROBE_TOOL["function"]["description"], PROBE_CALL_TEXT,
                         "skippy-probe-result")
-        return TemplateCaps(system_role=system, tools=tools)
+        late = renders([user, {"role": "system", "content": "skippy-probe-late"}], [], "skippy-probe-user",
+                       "skippy-probe-late")
+        return TemplateCaps(system_role=system, tools=tools, late_system=late)
 
     def starts_with_bos(self, text: str) -> bool:
         """True when the rendered text already carries BOS, so tokenizing must not add another."""
         return bool(self.bos_token) and text.startswith(self.bos_token)
+
+
+def _late_system_folded(dicts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every system message past the first message, for a template that takes none there: its text
+    ends the user turn before it (opens the next one when no user turn precedes it). The turn
+    before, not the next: a conversation that grows appends after the system message, so the
+    rendered text up to it stays what it was and the cache's prefix still holds."""
+    out: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for i, message in enumerate(dicts):
+        if i > 0 and message["role"] == "system":
+            last = next((j for j in range(len(out) - 1, -1, -1) if out[j]["role"] == "user"), None)
+            if last is None:
+                pending.append(message["content"])
+            else:
+                out[last] = {**out[last], "content": f"{out[last]['content']}\n\n{message['content']}"}
+        elif pending and message["role"] == "user":
+            out.append({**message, "content": "\n\n".join([*pending, message["content"]])})
+            pending = []
+        else:
+            out.append(message)
+    if pending:
+        out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from skippy_cache.server.schemas import (
     CacheQuery,
     ChatCompletionRequest,
     CompletionRequest,
+    Strict,
     UnpinRequest,
 )
 from skippy_cache.server.settings import ServerSettings
@@ -394,7 +395,10 @@ async def parse_body(request: Request, model: type[T]) -> T:
     Parsed on a worker thread: a body's JSON and its schemas' grammars (compiled as the body is
     validated) take time that grows with what a client sends, and the event loop serves everyone.
     """
-    return await asyncio.to_thread(_parse_body, await request.body(), model)
+    body = await asyncio.to_thread(_parse_body, await request.body(), model)
+    if isinstance(body, Strict) and (ignored := body.ignored_fields()):
+        request.state.ignored_fields = ignored  # the answer's header and a metric (metrics.RequestCounter)
+    return body
 
 
 def _parse_body(raw: bytes, model: type[T]) -> T:

@@ -34,6 +34,10 @@ class ServerMetrics:
         self.requests = Counter(
             "skippy_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
         )
+        self.ignored_fields = Counter(
+            "skippy_ignored_fields", "Request fields accepted and ignored (they cannot change the output), "
+            "by endpoint and field", ["endpoint", "field"], registry=r,
+        )
         self.generations = Counter(
             "skippy_generations", "Engine requests by how they ended (stop, length, cancelled, error)",
             ["reason"], registry=r,
@@ -381,6 +385,15 @@ class RequestCounter:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                ignored = scope.get("state", {}).get("ignored_fields")
+                if ignored:
+                    # Named, so a client can see what this server did not act on; counted by name
+                    # (the names are the request models' own, never a client's text).
+                    message["headers"] = [*message.get("headers", []),
+                                          (b"x-skippy-ignored", ",".join(ignored).encode("ascii"))]
+                    endpoint = self.metrics.endpoint_label(scope["path"])
+                    for name in ignored:
+                        self.metrics.ignored_fields.labels(endpoint, name).inc()
             await send(message)
 
         try:

@@ -134,10 +134,15 @@ class _FunctionTyped(Strict):
     _function_only = field_validator("type")(function_type_only)
 
 
+#: Tool types OpenAI runs on its side. Sent with a request, each is left out of the prompt.
+HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation",
+                          "computer_use_preview"})
+
+
 class FunctionTool(FunctionSpec, _FunctionTyped):
-    """`tools[i]`: a function, its fields beside `type` rather than under `function`. Other types
-    (web search, file search, custom, MCP, ...) are refused by type, which is checked first (a
-    web_search tool has no name: its type is what to report)."""
+    """`tools[i]`: a function, its fields beside `type` rather than under `function`. OpenAI's
+    hosted tools are left out before this (`HOSTED_TOOLS`); other types (custom, MCP, ...) are
+    refused by type, which is checked first (such a tool may have no name)."""
 
 
 class NamedFunction(Strict):
@@ -181,6 +186,8 @@ class TextConfig(Strict):
 
 
 class ResponsesRequest(Strict):
+    IGNORED = frozenset({"reasoning", "include", "user", "safety_identifier", "prompt_cache_key",
+                         "prompt_cache_retention", "service_tier", "client_metadata"})
     model: str | None = None
     input: list[InputItem] = Field(min_length=1)
     instructions: str | None = None
@@ -208,6 +215,8 @@ class ResponsesRequest(Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     service_tier: str | None = None
+    #: Codex CLI's: its own ids and versions.
+    client_metadata: dict[str, Any] | None = None
     # Not supported; accepted only with a value that asks for nothing.
     previous_response_id: Any = None
     conversation: Any = None
@@ -220,6 +229,7 @@ class ResponsesRequest(Strict):
     cache_salt: CacheSalt | None = None
     cache: CacheControl = Field(default_factory=CacheControl)
     pin: bool = False
+    _hosted: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -239,6 +249,28 @@ class ResponsesRequest(Strict):
                                  f"(only {', '.join(_ITEM_TYPES)})")
             items.append(item)
         return items
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _hosted_tools_left_out(cls, value: Any) -> Any:
+        """Tools OpenAI runs on its side (web search and the like): a local server has none to run,
+        and an agent sends them on every request, so they are left out of the prompt, not refused
+        (named as ignored, `tools:TYPE`)."""
+        if not isinstance(value, list):
+            return value
+        return [tool for tool in value if not (isinstance(tool, dict) and tool.get("type") in HOSTED_TOOLS)]
+
+    def ignored_fields(self) -> list[str]:
+        return sorted([*super().ignored_fields(), *self._hosted])
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_hosted(cls, data: Any, handler: Any) -> ResponsesRequest:
+        hosted = sorted({f"tools:{t['type']}" for t in data.get("tools") or () if isinstance(t, dict)
+                         and t.get("type") in HOSTED_TOOLS}) if isinstance(data, dict) else []
+        body = handler(data)
+        body._hosted = hosted
+        return body
 
     @field_validator("previous_response_id", "conversation", mode="before")
     @classmethod

@@ -21,7 +21,7 @@ serves the rest) and `echo` prepends the prompt's text.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -57,6 +57,15 @@ class Strict(BaseModel):
     # Unknown fields are refused, not dropped: a misspelt or unsupported
     # option silently ignored gives the client something it did not ask for.
     model_config = ConfigDict(extra="forbid", strict=True)
+    #: Known fields accepted and ignored: they cannot change the tokens a request produces (client
+    #: metadata, hints for a hosted service's caches and tiers). Clients add such fields with every
+    #: release; refusing them breaks every agent on the next one. Each one a body sets is named in
+    #: the answer's `x-skippy-ignored` header and counted (`skippy_ignored_fields`).
+    IGNORED: ClassVar[frozenset[str]] = frozenset()
+
+    def ignored_fields(self) -> list[str]:
+        """The ignored fields this body sets, to anything but null."""
+        return sorted(name for name in self.IGNORED & self.model_fields_set if getattr(self, name) is not None)
 
 
 #: Error type of a known OpenAI field this server does not do (errors.py maps it to a 400).
@@ -287,6 +296,7 @@ class _GenerationFields(Strict):
 
 
 class CompletionRequest(_GenerationFields):
+    IGNORED = frozenset({"user"})
     prompt: str | list[int]
     #: Each sampled token's logprob and those of this many most likely tokens (OpenAI's legacy shape).
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
@@ -370,6 +380,8 @@ class ChatMessage(Strict):
 
 
 class ChatCompletionRequest(_GenerationFields):
+    IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                         "prompt_cache_retention", "prompt_cache_options"})
     messages: list[ChatMessage] = Field(min_length=1)
     #: Functions the model may call (server/tools.py renders them and parses the calls).
     tools: list[ToolSpec] | None = None
