@@ -3,12 +3,17 @@ with no model: one internal shape whichever API a request came through."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+from chat_templates import SMOLLM2
 from pydantic import ValidationError
 
 from skippy_cache.runtime import SamplingParams, json_grammar
 from skippy_cache.server.anthropic import GenerateRequest, rewrite_billing_line
 from skippy_cache.server.anthropic import to_job as messages_job
+from skippy_cache.server.chat import ChatFormatter, choose_chat_template
 from skippy_cache.server.errors import APIError
 from skippy_cache.server.generation import tool_sampling
 from skippy_cache.server.jobs import ChatJob
@@ -109,3 +114,22 @@ def test_each_tool_choice_gets_its_grammar() -> None:
     assert tool_sampling(ChatJob(**{**job.__dict__, "tool_mode": "auto", "sampling": shaped})) == shaped
     with pytest.raises(APIError, match="response_format"):
         tool_sampling(ChatJob(**{**job.__dict__, "tool_mode": "required", "sampling": shaped}))
+
+
+def test_claude_codes_first_request_as_captured_parses_renders_and_compiles() -> None:
+    """The first request Claude Code 2.1.328 sent (`claude -p "Say hello."`, captured; ids zeroed):
+    its harness context in a system turn after the user turn, an effort on that turn, a deferred
+    tool, context_management, adaptive thinking. Accepted, each ignored field named; the system
+    turn kept where it stands; every tool's schema compiles (one is a bare description)."""
+    body = json.loads((Path(__file__).parent / "clients" / "claude-code-2.1.328-first-request.json").read_text())
+    request = GenerateRequest.model_validate(body)
+    assert request.ignored_fields() == ["context_management", "messages[].output_config", "metadata", "thinking",
+                                        "tools[].defer_loading"]
+    job = messages_job(request, Scope(tenant=None))
+    assert [m.role for m in job.messages] == ["system", "user", "system"]
+    assert job.max_tokens_bound and job.tool_mode == "auto"
+    sampling = tool_sampling(job)
+    assert sampling.grammar is not None and sampling.grammar_trigger == "<tool_call>"
+    chat = ChatFormatter(choose_chat_template(None, SMOLLM2, "llama"), bos_token="", eos_token="")
+    text = chat.render(job.messages, job.tools)
+    assert text.index("Say hello.") < text.index("<|im_start|>system\n# Environment")

@@ -211,3 +211,12 @@ def test_claude_codes_first_request_shape_is_answered_naming_what_is_ignored(exa
             second["usage"]
         metrics = http.get("/metrics").text
     assert 'skippy_ignored_fields_total{endpoint="/v1/messages",field="context_management"} 2.0' in metrics
+
+
+def test_max_tokens_past_the_context_is_a_bound_not_a_400(exact_server: LiveServer) -> None:
+    # Claude Code asks for 64,000 to 128,000 on every request: the reply may stop short of it.
+    # (Over plain HTTP: the anthropic client refuses a non-streamed request with such a max_tokens.)
+    body = {"model": "m", "max_tokens": 10**6, "temperature": 0, "messages": [{"role": "user", "content": "Say hi."}]}
+    response = exact_server.http(timeout=300).post("/v1/messages", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["stop_reason"] in ("end_turn", "max_tokens") and response.json()["content"]

@@ -148,3 +148,8 @@ def test_codexs_request_shape_is_answered_naming_what_is_ignored(exact_server: L
     assert response.headers["x-skippy-ignored"] == (
         "client_metadata,include,prompt_cache_key,reasoning,tools:web_search")
     assert response.json()["status"] in ("completed", "incomplete")
+
+
+def test_max_output_tokens_past_the_context_is_a_bound_not_a_400(exact_server: LiveServer) -> None:
+    response = ask(exact_server, tools=[], input=[{"role": "user", "content": "Say hi."}], max_output_tokens=10**6)
+    assert response.status in ("completed", "incomplete") and response.output

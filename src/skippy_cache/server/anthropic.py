@@ -118,12 +118,18 @@ def _known_blocks(value: Any) -> Any:
     return value
 
 
+class MessageOutputConfig(Strict):
+    effort: str | None = None
+
+
 class AnthropicMessage(Strict):
     #: "system": instructions in the middle of a conversation (Claude Code sends its harness
-    #: context so, after the first user turn), rendered as a system turn there (prompts.py).
+    #: context so, after the first user turn), rendered as a system turn there (chat.py).
     role: Literal["user", "assistant", "system"]
     #: A string is one text block.
     content: list[ContentBlock]
+    #: Claude Code sets the effort on its system turn; this server's models do not think (ignored).
+    output_config: MessageOutputConfig | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -149,6 +155,9 @@ class AnthropicTool(Strict):
     input_schema: dict[str, Any]
     type: str | None = None
     cache_control: dict[str, Any] | None = None
+    #: Tool search's: the tool's definition is loaded when searched for. Here every tool is in the
+    #: prompt from the start, as it would be without it (ignored).
+    defer_loading: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -227,6 +236,13 @@ class MessagesRequest(Strict):
     cache: CacheControl = Field(default_factory=CacheControl)
     pin: bool = False
 
+    def ignored_fields(self) -> list[str]:
+        nested = [name for name, used in (
+            ("messages[].output_config", any(m.output_config is not None for m in self.messages)),
+            ("tools[].defer_loading", any(t.defer_loading is not None for t in self.tools or ())),
+        ) if used]
+        return sorted([*super().ignored_fields(), *nested])
+
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, tools: list[AnthropicTool] | None) -> list[AnthropicTool] | None:
@@ -289,7 +305,7 @@ def to_job(body: MessagesRequest, scope: Scope) -> ChatJob:
         sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                                   top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                                   grammar=body.output_config.grammar if body.output_config else None)
-        settings: dict[str, Any] = {"sampling": sampling, "max_tokens": body.max_tokens,
+        settings: dict[str, Any] = {"sampling": sampling, "max_tokens": body.max_tokens, "max_tokens_bound": True,
                                     "stop": tuple(body.stop_sequences or ())}
     else:
         settings = {"sampling": SamplingParams(), "max_tokens": 1}

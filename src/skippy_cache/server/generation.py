@@ -131,11 +131,13 @@ class Generation:
         job = replace(job, sampling=await asyncio.to_thread(tool_sampling, job))
         prompt = await asyncio.to_thread(self._chat_prompt, job)
         self.limits.check_prompt(len(prompt.tokens), param=job.prompt_param)
+        n_ctx = self.engine.info.n_ctx
         if job.max_tokens is None:
             # Up to what the context has left, capped (settings.DEFAULT_CHAT_MAX_TOKENS says why);
             # at least 1 so a prompt that fills the context gets the engine's context error.
-            n_ctx = self.engine.info.n_ctx
             job = replace(job, max_tokens=max(min(self.settings.default_max_tokens, n_ctx - len(prompt.tokens)), 1))
+        elif job.max_tokens_bound:
+            job = replace(job, max_tokens=max(min(job.max_tokens, n_ctx - len(prompt.tokens)), 1))
         return self.submit(job, prompt, prompt_param=job.prompt_param), len(prompt.tokens)
 
     def _chat_prompt(self, job: ChatJob) -> Prompt:

@@ -57,6 +57,10 @@ class ChatJob(Job):
     prefill: str = ""
     #: The request field a bad prompt is reported under.
     prompt_param: str = "messages"
+    #: `max_tokens` is an upper bound the reply may stop short of (Anthropic's `max_tokens`, the
+    #: Responses API's `max_output_tokens`), not a length the context must hold: past what the
+    #: context has left it is cut to that. Claude Code asks for 64,000 to 128,000 on every request.
+    max_tokens_bound: bool = False
 
     @property
     def constrained(self) -> bool:

@@ -339,7 +339,8 @@ def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
     )
     tools = [ToolSpec(type="function", function=FunctionSpec.model_validate(t.model_dump(exclude={"type"})))
              for t in body.tools or ()]
-    return ChatJob(sampling=sampling, max_tokens=body.max_output_tokens, **scoped(scope, body.cache_salt),
+    return ChatJob(sampling=sampling, max_tokens=body.max_output_tokens, max_tokens_bound=True,
+                   **scoped(scope, body.cache_salt),
                    lookup=body.cache.lookup, record=body.cache.store, pin=body.pin, messages=messages,
                    tools=tools, tool_mode=body.tool_mode,
                    # One call unless asked for more: small models asked for "one or more" tend to
