@@ -397,10 +397,13 @@ def test_a_chat_turn_on_another_server_reuses_the_previous_reply(
 
 @pytest.mark.model
 @pytest.mark.parametrize("mode", [(), ("--fast",)], ids=["exact", "fast"])
-def test_a_system_prompt_another_server_computed_is_restored_to_its_end(redis_server, mode: tuple[str, ...]) -> None:
+def test_a_system_prompt_another_server_computed_is_restored_to_its_end(
+    redis_server, cache_secret_file, mode: tuple[str, ...]
+) -> None:
     # Users of one system prompt ask their own questions, round-robin over two replicas. The
     # second replica restores the system prompt to its end, not only to the last whole chunk.
-    common = ("--ctx-size", "2048", "--cache-dir", "none", "--remote-cache", redis_server.url, *mode)
+    common = ("--ctx-size", "2048", "--cache-dir", "none", "--remote-cache", redis_server.url,
+              "--cache-secret-file", str(cache_secret_file), *mode)
     first, second = Served(*common, env=clean_env()), Served(*common, env=clean_env())
     try:
         first.wait_ready()
