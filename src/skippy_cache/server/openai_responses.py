@@ -266,8 +266,10 @@ class ResponsesRequest(Strict):
     @model_validator(mode="wrap")
     @classmethod
     def _note_hosted(cls, data: Any, handler: Any) -> ResponsesRequest:
-        hosted = sorted({f"tools:{t['type']}" for t in data.get("tools") or () if isinstance(t, dict)
-                         and t.get("type") in HOSTED_TOOLS}) if isinstance(data, dict) else []
+        tools = data.get("tools") if isinstance(data, dict) else None
+        # Whatever `tools` holds: its own validation reports a value that is not a list.
+        hosted = sorted({f"tools:{t['type']}" for t in tools if isinstance(t, dict) and t.get("type") in HOSTED_TOOLS}
+                        ) if isinstance(tools, list) else []
         body = handler(data)
         body._hosted = hosted
         return body
