@@ -139,6 +139,11 @@ HOSTED_TOOLS = frozenset({"web_search", "web_search_preview", "file_search", "co
                           "computer_use_preview"})
 
 
+def _hosted(tool: object) -> bool:
+    """A tool OpenAI runs on its side; looked at before validation, so anything may come here."""
+    return isinstance(tool, dict) and isinstance(kind := tool.get("type"), str) and kind in HOSTED_TOOLS
+
+
 class FunctionTool(FunctionSpec, _FunctionTyped):
     """`tools[i]`: a function, its fields beside `type` rather than under `function`. OpenAI's
     hosted tools are left out before this (`HOSTED_TOOLS`); other types (custom, MCP, ...) are
@@ -258,7 +263,7 @@ class ResponsesRequest(Strict):
         (named as ignored, `tools:TYPE`)."""
         if not isinstance(value, list):
             return value
-        return [tool for tool in value if not (isinstance(tool, dict) and tool.get("type") in HOSTED_TOOLS)]
+        return [tool for tool in value if not _hosted(tool)]
 
     def ignored_fields(self) -> list[str]:
         return sorted([*super().ignored_fields(), *self._hosted])
@@ -268,8 +273,7 @@ class ResponsesRequest(Strict):
     def _note_hosted(cls, data: Any, handler: Any) -> ResponsesRequest:
         tools = data.get("tools") if isinstance(data, dict) else None
         # Whatever `tools` holds: its own validation reports a value that is not a list.
-        hosted = sorted({f"tools:{t['type']}" for t in tools if isinstance(t, dict) and t.get("type") in HOSTED_TOOLS}
-                        ) if isinstance(tools, list) else []
+        hosted = sorted({f"tools:{t['type']}" for t in tools if _hosted(t)}) if isinstance(tools, list) else []
         body = handler(data)
         body._hosted = hosted
         return body
