@@ -210,7 +210,16 @@ def test_schemas_that_expanded_llama_cpps_grammar_are_answered(server: LiveServe
     with server.http(timeout=60) as http:
         response = http.post(path, json={**body, "max_tokens": 6})
         assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["finish_reason"] == "length"
+        choice = response.json()["choices"][0]
+        # Six tokens cannot reach a lower bound; an upper bound allows closing early, and then
+        # what came back must be the JSON the schema asks for.
+        if choice["finish_reason"] == "tool_calls":
+            assert name.endswith("at most"), choice
+            for call in choice["message"]["tool_calls"]:
+                assert isinstance(json.loads(call["function"]["arguments"])["xs"], list), choice
+        elif choice["finish_reason"] != "length":
+            assert name.endswith("at most") and choice["finish_reason"] == "stop", choice
+            assert isinstance(json.loads(choice["message"]["content"]), str), choice
         assert http.get("/health").status_code == 200
 
 
