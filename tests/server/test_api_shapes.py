@@ -133,3 +133,44 @@ def test_claude_codes_first_request_as_captured_parses_renders_and_compiles() ->
     chat = ChatFormatter(choose_chat_template(None, SMOLLM2, "llama"), bos_token="", eos_token="")
     text = chat.render(job.messages, job.tools)
     assert text.index("Say hello.") < text.index("<|im_start|>system\n# Environment")
+
+
+def test_codexs_first_request_as_captured_parses_with_its_namespace_flattened() -> None:
+    """The first request Codex CLI 0.169.0 sent (`codex exec "Say hello."`, captured; ids zeroed):
+    developer messages, a `namespace` tool holding five functions, a hosted web_search,
+    client_metadata, prompt_cache_key, reasoning and include. Accepted, each ignored field named;
+    the namespace's functions offered as NAMESPACE.NAME; every tool's schema compiles."""
+    body = json.loads((Path(__file__).parent / "clients" / "codex-0.169.0-first-request.json").read_text())
+    request = ResponsesRequest.model_validate(body)
+    assert request.ignored_fields() == ["client_metadata", "include", "prompt_cache_key", "reasoning",
+                                        "tools:web_search"]
+    job = responses_job(request, NO_TENANTS)
+    assert [m.role for m in job.messages] == ["developer", "developer", "user", "user"]
+    names = [t.function.name for t in job.tools]
+    assert "multi_agent_v1.spawn_agent" in names and "exec_command" in names and len(names) == 12
+    sampling = tool_sampling(job)
+    assert sampling.grammar is not None and '\\"multi_agent_v1.spawn_agent\\"' in sampling.grammar
+
+
+def test_a_namespaced_call_goes_back_into_the_prompt_under_its_qualified_name() -> None:
+    namespace = {"type": "namespace", "name": "agents", "description": "Sub-agents.",
+                 "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object"}}]}
+    body = ResponsesRequest.model_validate({"tools": [namespace, {"type": "function", "name": "spawn"}], "input": [
+        {"role": "user", "content": "Go."},
+        {"type": "function_call", "call_id": "c1", "name": "spawn", "namespace": "agents", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]})
+    job = responses_job(body, NO_TENANTS)
+    assert [t.function.name for t in job.tools] == ["agents.spawn", "spawn"]
+    assert job.messages[1].tool_calls[0].function.name == "agents.spawn"
+
+
+@pytest.mark.parametrize("tools", [
+    [{"type": "namespace", "name": "a", "tools": []}],
+    [{"type": "namespace", "name": "a.b", "tools": [{"type": "function", "name": "f"}]}],
+    [{"type": "namespace", "name": "a", "tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}],
+    [{"type": "namespace", "name": "a", "tools": [{"type": "custom", "name": "f"}]}],
+    [{"type": "function", "name": "a.f"}],
+], ids=["empty", "dotted-namespace", "same-name-twice", "non-function-inside", "dotted-function"])
+def test_a_namespace_that_cannot_be_flattened_is_refused(tools: list) -> None:
+    with pytest.raises(ValidationError):
+        ResponsesRequest.model_validate({"tools": tools, "input": "x"})

@@ -150,6 +150,33 @@ def test_codexs_request_shape_is_answered_naming_what_is_ignored(exact_server: L
     assert response.json()["status"] in ("completed", "incomplete")
 
 
+def test_a_namespaced_function_is_called_back_under_its_namespace(exact_server: LiveServer) -> None:
+    """Codex CLI's `namespace` tool: its functions are offered, a call to one comes back as the
+    bare name with `namespace` beside it (whole and streamed alike), and sent back so it is the
+    next step's history."""
+    spaced = [{"type": "namespace", "name": "weather", "description": "Weather tools.",
+               "tools": [{**TOOLS[0], "name": "lookup"}]}]
+    body = {"model": "m", "instructions": INSTRUCTIONS, "input": INPUT, "tools": spaced, "temperature": 0,
+            "tool_choice": "required", "max_output_tokens": 64}
+    with exact_server.http(timeout=120) as http:
+        whole = http.post("/v1/responses", json=body)
+        assert whole.status_code == 200, whole.text
+        call = whole.json()["output"][-1]
+        assert (call["type"], call["name"], call["namespace"]) == ("function_call", "lookup", "weather"), call
+        check_arguments("get_weather", call["arguments"])
+        streamed = http.post("/v1/responses", json={**body, "stream": True})
+        done = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+        added = next(e["item"] for e in done if e["type"] == "response.output_item.added"
+                     and e["item"]["type"] == "function_call")
+        assert (added["name"], added["namespace"]) == ("lookup", "weather")
+        assert done[-1]["response"]["output"][-1]["arguments"] == call["arguments"]
+        step = {**body, "tool_choice": "none", "max_output_tokens": 4,
+                "input": [*INPUT, call, {"type": "function_call_output", "call_id": call["call_id"], "output": "18 C"}]}
+        again = http.post("/v1/responses", json=step)
+        assert again.status_code == 200, again.text
+        assert again.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
 def test_max_output_tokens_past_the_context_is_a_bound_not_a_400(exact_server: LiveServer) -> None:
     response = ask(exact_server, tools=[], input=[{"role": "user", "content": "Say hi."}], max_output_tokens=10**6)
     assert response.status in ("completed", "incomplete") and response.output

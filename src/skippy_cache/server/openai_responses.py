@@ -3,7 +3,9 @@
 `instructions` becomes the system message, `input` items chat messages
 (`function_call` items an assistant message's calls, `function_call_output`
 items tool messages), function tools and `tool_choice` the chat API's, and
-`text.format` a grammar as chat's `response_format`. Nothing is stored: a
+`text.format` a grammar as chat's `response_format`. A `namespace` tool's
+functions are offered as `NAMESPACE.NAME` and their calls come back as that
+name under `namespace`, as Codex CLI reads them. Nothing is stored: a
 request carries its whole history, `previous_response_id` is a 400 saying
 so, and every response says `"store": false`. The cache makes that cheap:
 the history a stored response would stand for is reused from the cache.
@@ -16,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import Discriminator, Field, PrivateAttr, Tag, ValidationInfo, field_validator, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -34,6 +36,7 @@ from skippy_cache.server.generation import Generation, parse_body, sse_event
 from skippy_cache.server.jobs import ChatJob, scoped
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (
+    FUNCTION_NAME,
     CacheControl,
     CacheSalt,
     CalledFunction,
@@ -94,10 +97,15 @@ class FunctionCallItem(Strict):
     arguments: str
     id: str | None = None
     status: str | None = None
+    #: The namespace tool this function belongs to, as this server's calls name it.
+    namespace: str | None = Field(default=None, pattern=FUNCTION_NAME)
     #: What the `openai` client's items carry when sent back: accepted only empty.
     caller: None = None
-    namespace: None = None
     async_: None = Field(default=None, alias="async")
+
+    @property
+    def qualified_name(self) -> str:
+        return qualified(self.namespace, self.name)
 
 
 class FunctionCallOutputItem(Strict):
@@ -150,6 +158,38 @@ class FunctionTool(FunctionSpec, _FunctionTyped):
     refused by type, which is checked first (such a tool may have no name)."""
 
 
+def qualified(namespace: str | None, name: str) -> str:
+    """A function's name as the model sees it. Plain names cannot hold a dot, so `NAMESPACE.NAME`
+    never collides with one and splits back unambiguously (`split_qualified`)."""
+    return name if namespace is None else f"{namespace}.{name}"
+
+
+def split_qualified(name: str) -> tuple[str | None, str]:
+    namespace, dot, bare = name.partition(".")
+    return (namespace, bare) if dot else (None, name)
+
+
+class NamespaceTool(Strict):
+    """A group of functions (Codex CLI sends its sub-agent and MCP tools so). Each is offered to
+    the model as `NAMESPACE.NAME`; the namespace's own description is not rendered (the chat
+    templates have no place for a group)."""
+
+    type: Literal["namespace"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    tools: list[FunctionTool] = Field(min_length=1)
+
+
+def _tool_kind(tool: Any) -> str:
+    """Namespaces apart; every other type goes to FunctionTool, whose error names the type."""
+    return "namespace" if isinstance(tool, dict) and tool.get("type") == "namespace" else "function"
+
+
+AnyTool = FunctionTool | NamespaceTool
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")],
+                 Discriminator(_tool_kind)]
+
+
 class NamedFunction(Strict):
     type: Literal["function"]
     name: str
@@ -196,7 +236,7 @@ class ResponsesRequest(Strict):
     model: str | None = None
     input: list[InputItem] = Field(min_length=1)
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -292,15 +332,20 @@ class ResponsesRequest(Strict):
 
     @field_validator("tools")
     @classmethod
-    def _distinct_names(cls, tools: list[FunctionTool] | None) -> list[FunctionTool] | None:
-        names = [tool.name for tool in tools or ()]
+    def _distinct_names(cls, tools: list[AnyTool] | None) -> list[AnyTool] | None:
+        names = [name for name, _ in _functions(tools)]
         if len(set(names)) != len(names):
             raise ValueError("two tools have the same name")
         return tools
 
+    @property
+    def functions(self) -> list[tuple[str, FunctionTool]]:
+        """Every function offered, namespaces flattened: (the name the model sees, the function)."""
+        return _functions(self.tools)
+
     @model_validator(mode="after")
     def _choice_among_tools(self) -> ResponsesRequest:
-        names = {t.name for t in self.tools or ()}
+        names = {name for name, _ in self.functions}
         choice = self.tool_choice
         if (choice == "required" or isinstance(choice, NamedFunction)) and not names:
             raise ValueError("tool_choice: a choice other than 'none' or 'auto' needs 'tools'")
@@ -315,6 +360,16 @@ class ResponsesRequest(Strict):
         return self.tool_choice or ("auto" if self.tools else "none")
 
 
+def _functions(tools: list[AnyTool] | None) -> list[tuple[str, FunctionTool]]:
+    out = []
+    for tool in tools or ():
+        if isinstance(tool, NamespaceTool):
+            out += [(qualified(tool.name, f.name), f) for f in tool.tools]
+        else:
+            out.append((tool.name, tool))
+    return out
+
+
 def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
     messages: list[ChatMessage] = []
     if body.instructions:
@@ -326,7 +381,7 @@ def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
         elif isinstance(item, FunctionCallItem):
             called.add(item.call_id)
             call = ToolCall(id=item.call_id, type="function",
-                            function=CalledFunction(name=item.name, arguments=item.arguments))
+                            function=CalledFunction(name=item.qualified_name, arguments=item.arguments))
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 # The calls of one reply come as consecutive items, after its text if it had any.
@@ -343,8 +398,10 @@ def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
         top_p=1.0 if body.top_p is None else body.top_p,
         grammar=body.text.grammar if body.text is not None else None,
     )
-    tools = [ToolSpec(type="function", function=FunctionSpec.model_validate(t.model_dump(exclude={"type"})))
-             for t in body.tools or ()]
+    # The qualified name is set after validation: a name with a dot is this server's own, not a client's.
+    tools = [ToolSpec(type="function", function=FunctionSpec.model_validate(
+        t.model_dump(exclude={"type"})).model_copy(update={"name": name}))
+        for name, t in body.functions]
     return ChatJob(sampling=sampling, max_tokens=body.max_output_tokens, max_tokens_bound=True,
                    **scoped(scope, body.cache_salt),
                    lookup=body.cache.lookup, record=body.cache.store, pin=body.pin, messages=messages,
@@ -467,8 +524,10 @@ def _item_id(call_id: str) -> str:
 
 
 def _call_item(call: Call, status: str, arguments: str | None = None) -> dict:
-    return {"type": "function_call", "id": _item_id(call.id), "call_id": call.id,
-            "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status}
+    namespace, name = split_qualified(call.name)
+    item = {"type": "function_call", "id": _item_id(call.id), "call_id": call.id, "name": name,
+            "arguments": call.arguments if arguments is None else arguments, "status": status}
+    return item if namespace is None else {**item, "namespace": namespace}
 
 
 class _Items:

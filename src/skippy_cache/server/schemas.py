@@ -150,13 +150,13 @@ class ResponseFormatSpec(Strict):
 
 
 #: OpenAI's rule for a function's name.
-_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class FunctionSpec(Strict):
     """A function the model may call: its name, what it does, and its arguments' JSON schema."""
 
-    name: str = Field(pattern=_FUNCTION_NAME)
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     #: A JSON schema of an object (None: any object).
     parameters: dict[str, Any] | None = None
