@@ -115,9 +115,21 @@ def from_validation_errors(errors: Sequence[dict]) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
+#: Starts the tag of a union branch that is not a field of the body (`branch_tag`): pydantic puts
+#: the tag in an error's location, and `tools[0].function.type` would name a field no body has.
+_BRANCH = "~"
+
+
+def branch_tag(name: str) -> str:
+    """A discriminated union's tag that an error's `param` leaves out."""
+    return _BRANCH + name
+
+
 def _param_path(loc: Sequence[str | int]) -> str | None:
     out = ""
     for part in loc:
+        if isinstance(part, str) and part.startswith(_BRANCH):
+            continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or None
 

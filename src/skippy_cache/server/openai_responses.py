@@ -31,7 +31,7 @@ from skippy_cache.runtime import (
     json_grammar,
 )
 from skippy_cache.server.bridge import EngineRuns
-from skippy_cache.server.errors import APIError, error_body
+from skippy_cache.server.errors import APIError, branch_tag, error_body
 from skippy_cache.server.generation import Generation, parse_body, sse_event
 from skippy_cache.server.jobs import ChatJob, scoped
 from skippy_cache.server.responses import cache_answer
@@ -182,12 +182,12 @@ class NamespaceTool(Strict):
 
 def _tool_kind(tool: Any) -> str:
     """Namespaces apart; every other type goes to FunctionTool, whose error names the type."""
-    return "namespace" if isinstance(tool, dict) and tool.get("type") == "namespace" else "function"
+    return branch_tag("namespace" if isinstance(tool, dict) and tool.get("type") == "namespace" else "function")
 
 
 AnyTool = FunctionTool | NamespaceTool
-Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")],
-                 Discriminator(_tool_kind)]
+Tool = Annotated[Annotated[FunctionTool, Tag(branch_tag("function"))]
+                 | Annotated[NamespaceTool, Tag(branch_tag("namespace"))], Discriminator(_tool_kind)]
 
 
 class NamedFunction(Strict):
