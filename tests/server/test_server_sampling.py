@@ -9,10 +9,12 @@ exact repeat reads back bit for bit (tests/runtime/fastmode.py).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, run_server
 
 from skippy_cache.runtime import GenerationRequest, SamplingParams
 from skippy_cache.runtime.logprobs import log_softmax
@@ -294,3 +296,32 @@ def test_a_bad_sampling_field_is_a_400_naming_it(server: LiveServer, name: str, 
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+@pytest.fixture(scope="module")
+def greedy_by_default(exact_server: LiveServer) -> Iterator[LiveServer]:
+    """The exact server's engine behind an app whose requests without a temperature are greedy."""
+    yield from run_server(exact_server.engine, replace(exact_server.settings, default_temperature=0.0))
+
+
+STORY = [{"role": "user", "content": "Write a story about a dog."}]
+
+
+@pytest.mark.parametrize(("path", "body", "text"), [
+    (COMPLETIONS, {"prompt": "Once upon a time"}, lambda r: r["choices"][0]["text"]),
+    (CHAT, {"messages": STORY}, lambda r: r["choices"][0]["message"]["content"]),
+    ("/v1/messages", {"model": "m", "messages": STORY}, lambda r: r["content"][0]["text"]),
+    ("/v1/responses", {"input": STORY}, lambda r: r["output"][0]["content"][0]["text"]),
+], ids=["completions", "chat", "messages", "responses"])
+def test_a_request_without_a_temperature_gets_the_servers_default(greedy_by_default: LiveServer, path: str,
+                                                                   body: dict, text: Callable) -> None:
+    """--default-temperature 0: a request that sets none is greedy, the same text as one that sets 0
+    (24 tokens sampled at 1.0 would differ); one that sets its own keeps it."""
+    limit = {"max_output_tokens": 24} if path == "/v1/responses" else {"max_tokens": 24}
+    with greedy_by_default.http(timeout=120) as http:
+        unset = [text(http.post(path, json={**body, **limit}).json()) for _ in range(2)]
+        greedy = text(http.post(path, json={**body, **limit, "temperature": 0}).json())
+        assert unset == [greedy, greedy]
+        # An open prompt: at 1.0 four stories of 24 tokens are not all one.
+        hot = {text(http.post(path, json={**body, **limit, "temperature": 1.0}).json()) for _ in range(4)}
+        assert len(hot) > 1, hot

@@ -305,7 +305,8 @@ def to_job(body: MessagesRequest, scope: Scope) -> ChatJob:
         sampling = SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
                                   top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
                                   grammar=body.output_config.grammar if body.output_config else None)
-        settings: dict[str, Any] = {"sampling": sampling, "max_tokens": body.max_tokens, "max_tokens_bound": True,
+        settings: dict[str, Any] = {"sampling": sampling, "temperature_given": body.temperature is not None,
+                                    "max_tokens": body.max_tokens, "max_tokens_bound": True,
                                     "stop": tuple(body.stop_sequences or ())}
     else:
         settings = {"sampling": SamplingParams(), "max_tokens": 1}

@@ -212,6 +212,8 @@ class Generation:
             raise APIError(400, f"n={job.choices} asks for more choices than this server's queue holds ({queue}; "
                            "--queue-size)", param="n", code="invalid_value")
         sampling = job.sampling
+        if not job.temperature_given:
+            sampling = replace(sampling, temperature=self.settings.default_temperature)
         runs: list[EngineRun] = []
         tenant = job.tenant
         try:
@@ -311,7 +313,8 @@ class OneReplyFormat(Protocol):
 
 def _job_fields(body: CompletionRequest | ChatCompletionRequest, scope: Scope) -> dict:
     """The `Job` fields both OpenAI bodies spell alike."""
-    return {"sampling": body.sampling(), "stop": body.stop_strings(), **scoped(scope, body.cache_salt),
+    return {"sampling": body.sampling(), "temperature_given": body.temperature is not None,
+            "stop": body.stop_strings(), **scoped(scope, body.cache_salt),
             "lookup": body.cache.lookup, "record": body.cache.store, "pin": body.pin, "choices": body.choices}
 
 

@@ -25,6 +25,9 @@ class Job:
     """A request's generation settings, its prompt aside."""
 
     sampling: SamplingParams
+    #: False: the request set no temperature, and the server's --default-temperature replaces
+    #: the one in `sampling`.
+    temperature_given: bool = True
     #: None: as many as the context has left, capped by --default-max-tokens.
     max_tokens: int | None
     stop: tuple[str, ...] = ()

@@ -402,7 +402,8 @@ def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
     tools = [ToolSpec(type="function", function=FunctionSpec.model_validate(
         t.model_dump(exclude={"type"})).model_copy(update={"name": name}))
         for name, t in body.functions]
-    return ChatJob(sampling=sampling, max_tokens=body.max_output_tokens, max_tokens_bound=True,
+    return ChatJob(sampling=sampling, temperature_given=body.temperature is not None,
+                   max_tokens=body.max_output_tokens, max_tokens_bound=True,
                    **scoped(scope, body.cache_salt),
                    lookup=body.cache.lookup, record=body.cache.store, pin=body.pin, messages=messages,
                    tools=tools, tool_mode=body.tool_mode,
@@ -428,13 +429,14 @@ class ResponseFormat:
     """One response object, whole or as its stream of events (each with its `sequence_number`)."""
 
     def __init__(self, model: str, body: ResponsesRequest, tool_names: set[str] | None,
-                 incremental: bool) -> None:
+                 incremental: bool, default_temperature: float) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.incremental = incremental
         self.created = int(time.time())
         self.model = model
         self.body = body
         self.tool_names = tool_names
+        self.temperature = default_temperature if body.temperature is None else body.temperature
         self.calls: list[Call] = []
         self._sequence = 0
 
@@ -461,7 +463,7 @@ class ResponseFormat:
             "instructions": body.instructions, "metadata": body.metadata or {},
             "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is True,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "temperature": self.temperature,
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else body.tool_mode,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
@@ -615,5 +617,6 @@ class ResponsesAPI:
         self.generation.models.check(body.model)
         job = to_job(body, scope_of(request))
         runs, _ = await self.generation.start_chat(job)
-        fmt = ResponseFormat(self.generation.model_id, body, job.tool_names, job.constrained)
+        fmt = ResponseFormat(self.generation.model_id, body, job.tool_names, job.constrained,
+                             self.generation.settings.default_temperature)
         return await self.generation.respond_one(request, runs, job, fmt, body.stream)

@@ -26,6 +26,7 @@ from skippy_cache.placement import ALIGN
 from skippy_cache.runtime import EngineConfig, RemoteConfig, builtin_chat_templates, redact
 from skippy_cache.secretfile import SecretFileError, read_secret_file
 from skippy_cache.server.chat import compile_template
+from skippy_cache.server.schemas import DEFAULT_TEMPERATURE
 from skippy_cache.weights import WeightRepack, parse_weight_repack
 
 #: Chat requests that give no max_tokens get at most this many (or what is left
@@ -95,6 +96,9 @@ class ServerSettings:
     #: A lone decode step's spare row decodes a guessed next token (drafts.py); output unchanged.
     lookup_decoding: bool = True
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
+    #: The temperature of a request that sets none. Agents such as Codex CLI send none, and a small
+    #: model sampled at 1.0 can ramble until max_tokens, which such a client reports as a failure.
+    default_temperature: float = DEFAULT_TEMPERATURE
     model_alias: str = DEFAULT_MODEL_ALIAS
     #: Refuse (404) a request naming a model other than the model's id or the alias; off: any name
     #: is served by the one loaded model, as llama-server does.
@@ -205,6 +209,16 @@ def _int(minimum: int, maximum: int | None = None) -> Callable[[str, str], int]:
         return value
 
     return parse
+
+
+def _temperature(name: str, text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise SettingsError(f"{name}={text!r} is not a number") from None
+    if not 0 <= value <= 2:
+        raise SettingsError(f"{name}={value:g} must be between 0 and 2")
+    return value
 
 
 def _seconds(name: str, text: str) -> float:
@@ -391,6 +405,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("default_max_tokens", "--default-max-tokens", "SKIPPY_DEFAULT_MAX_TOKENS", "default_max_tokens",
            _int(1), f"max_tokens of a chat request that sets none (default {DEFAULT_CHAT_MAX_TOKENS}, "
            "or what is left of the context if less)", "N"),
+    Option("default_temperature", "--default-temperature", "SKIPPY_DEFAULT_TEMPERATURE", "default_temperature",
+           _temperature, f"temperature of a request that sets none, on every API (default {DEFAULT_TEMPERATURE:g}, "
+           "as OpenAI's and Anthropic's; 0 is greedy)", "T"),
     Option("model_alias", "--model-alias", "SKIPPY_MODEL_ALIAS", "model_alias", _str,
            f"a second name for the model, listed in the startup log (default {DEFAULT_MODEL_ALIAS!r})", "NAME"),
     Option("strict_model_names", "--strict-model-names", "SKIPPY_STRICT_MODEL_NAMES", "strict_model_names",
