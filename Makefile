@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run demo test bench docs clean system-packages
+.PHONY: setup run demo test bench docs clean system-packages clients
 
 setup: $(STAMP)
 
@@ -31,16 +31,24 @@ run: setup
 demo: setup
 	$(PY) -m skippy_cache demo
 
-test: setup system-packages
+test: setup system-packages clients
 	$(PY) -m pytest
+
+# The agent clients the tests run against a live server (Claude Code, Codex CLI), pinned by
+# tests/clients/package-lock.json; npm ci installs exactly those.
+CLIENTS := tests/clients
+clients: $(CLIENTS)/node_modules/.installed
+$(CLIENTS)/node_modules/.installed: $(CLIENTS)/package-lock.json | system-packages
+	npm ci --prefix $(CLIENTS) --no-audit --no-fund
+	touch $@
 
 # Real servers in tests: the shared tier's run a Redis server (redis-server; redis-cli makes a
 # cluster; openssl makes a certificate for TLS), the dashboard's a headless Chromium driven by
-# Selenium (chromium, chromium-driver).
-SYSTEM_PACKAGES := redis-server openssl chromium chromium-driver
+# Selenium (chromium, chromium-driver), the agent clients' node and npm (nodejs, npm).
+SYSTEM_PACKAGES := redis-server openssl chromium chromium-driver nodejs npm
 system-packages:
 	@command -v redis-server >/dev/null && command -v openssl >/dev/null && command -v chromium >/dev/null && \
-	  command -v chromedriver >/dev/null || { \
+	  command -v chromedriver >/dev/null && command -v node >/dev/null && command -v npm >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null 2>&1 || \
 	    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES); }; \
@@ -61,4 +69,4 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) site build src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) site build src/*.egg-info .pytest_cache .hypothesis $(CLIENTS)/node_modules
