@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 from tinymodels import ARCHS, build
 
+from skippy_cache.runtime import Engine, EngineConfig
 from skippy_cache.runtime.gguf_info import (
     ModelFileError,
     _header_by_gguf,
@@ -40,3 +42,17 @@ def test_a_file_the_reader_does_not_follow_goes_to_the_gguf_package(tmp_path: Pa
         read_header(bad)
     with pytest.raises(ModelFileError, match="not a GGUF model file"):
         read_gguf_info(bad)
+
+
+@pytest.mark.parametrize(("ctx_size", "warned"), [(8192, False), (8192 + 512, True)])
+def test_a_context_past_the_models_trained_length_is_warned_of(caplog: pytest.LogCaptureFixture, ctx_size: int,
+                                                               warned: bool) -> None:
+    """SmolLM2-135M was trained on 8,192 tokens; llama.cpp runs longer prompts without a word."""
+    caplog.set_level(logging.WARNING, logger="skippy_cache.engine")
+    engine = Engine(EngineConfig(ctx_size=ctx_size, lanes=1))
+    try:
+        assert engine.model.n_ctx_train == 8192
+    finally:
+        engine.close()
+    said = [r.getMessage() for r in caplog.records if "trained on" in r.getMessage()]
+    assert bool(said) == warned, said

@@ -126,6 +126,11 @@ class Engine:
         mode, mode_note = resolve_mode(config.cache.mode, config.cache.payload, family)
         if mode_note:
             log.warning("%s", mode_note)
+        if 0 < self.model.n_ctx_train < config.ctx_size:
+            # llama.cpp computes such positions without complaint, and a model past its trained
+            # length answers with garbage: an agent's 20,000-token prompt on an 8,192 model.
+            log.warning("--ctx-size %d lets one prompt run past the %d tokens %s was trained on; replies to "
+                        "longer prompts are unreliable", config.ctx_size, self.model.n_ctx_train, gguf.model_id)
         stage = StageConfig(
             ctx_size=config.ctx_size,
             lane_count=config.lanes,

@@ -155,6 +155,8 @@ class NativeModel:
         self.is_recurrent = bool(ll.llama_model_is_recurrent(self.ptr))
         self.is_hybrid = bool(ll.llama_model_is_hybrid(self.ptr))
         self.n_swa = int(ll.llama_model_n_swa(self.ptr))
+        #: The longest sequence the model was trained on (0: the GGUF does not say).
+        self.n_ctx_train = int(ll.llama_model_n_ctx_train(self.ptr))
         buf = ctypes.create_string_buffer(256)
         ll.llama_model_desc(self.ptr, buf, len(buf))
         self.description = buf.value.decode("utf-8", "replace")

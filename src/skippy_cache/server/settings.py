@@ -360,7 +360,9 @@ OPTIONS: tuple[Option, ...] = (
            "address to bind (default 127.0.0.1: loopback only)", "ADDR"),
     Option("port", "--port", "SKIPPY_PORT", "port", _int(0, 65535), "TCP port (default 8000)", "N"),
     Option("ctx_size", "--ctx-size", "SKIPPY_CTX_SIZE", "ctx_size", _int(64),
-           "KV cells in the one pool shared by lanes and cache entries (default 8192)", "N"),
+           "KV cells in the one pool shared by lanes and cache entries (default 8192); past the model's "
+           "trained context one prompt may outgrow what the model answers reliably, which start-up warns of",
+           "N"),
     Option("lanes", "--lanes", "SKIPPY_LANES", "lanes", _int(1, 64),
            "requests decoded concurrently (default 4)", "N"),
     Option("threads", "--threads", "SKIPPY_THREADS", "threads", _int(1),
