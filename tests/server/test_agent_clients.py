@@ -3,10 +3,11 @@ live server on the default model: each runs a one-line prompt twice.
 
 Checked: every request either client sends is answered (no 4xx: the fields and tool shapes they
 send this month are accepted), the run ends, and the second run reuses its agent prompt (system
-prompt and tools) from the cache. Codex must exit 0 with an answer. A 135M model with greedy
-decoding past its 8,192-token training context does not always end a reply to Claude Code's
-~12,000-token prompt, so Claude Code may instead stop on its own output limit; that is the model,
-not the protocol, and is the one other ending allowed.
+prompt and tools) from the cache. Codex must exit 0 with an answer, and so must Claude Code with
+a short system prompt (`--bare`). A 135M model with greedy decoding past its 8,192-token training
+context does not always end a reply to Claude Code's full ~12,000-token prompt, so that run may
+instead stop on Claude Code's own output limit; that is the model, not the protocol, and is the
+one other ending allowed.
 """
 
 from __future__ import annotations
@@ -91,16 +92,33 @@ def test_codex_cli_answers_twice_and_the_second_run_reuses_its_prompt(agent_serv
     check_served_and_reused(runs, "/v1/responses")
 
 
+def claude_env(server: LiveServer, home: Path) -> dict[str, str]:
+    return {"PATH": os.environ["PATH"], "HOME": str(home), "ANTHROPIC_BASE_URL": server.url,
+            "ANTHROPIC_AUTH_TOKEN": "x", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256", "DISABLE_TELEMETRY": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+
+
 def test_claude_code_is_answered_twice_and_the_second_run_reuses_its_prompt(agent_server: LiveServer,
                                                                             tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "ANTHROPIC_BASE_URL": agent_server.url,
-           "ANTHROPIC_AUTH_TOKEN": "x", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256", "DISABLE_TELEMETRY": "1",
-           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
-    runs = run_twice(agent_server, [str(BIN / "claude"), "-p", PROMPT], env, work)
+    runs = run_twice(agent_server, [str(BIN / "claude"), "-p", PROMPT], claude_env(agent_server, tmp_path), work)
     for done, _ in runs:
         answered = done.returncode == 0 and done.stdout.strip()
         cut = "exceeded the 256 output token maximum" in done.stdout + done.stderr
         assert answered or cut, (done.returncode, done.stdout, done.stderr)
+    check_served_and_reused(runs, "/v1/messages")
+
+
+def test_claude_code_with_a_prompt_the_model_was_trained_for_answers_twice(agent_server: LiveServer,
+                                                                           tmp_path: Path) -> None:
+    """`--bare` with no tools and a one-line system prompt: a prompt of a few dozen tokens, which
+    the default model answers and ends. Claude Code then sends its harness-context turn empty."""
+    work = tmp_path / "work"
+    work.mkdir()
+    command = [str(BIN / "claude"), "-p", "--bare", "--tools", "", "--system-prompt",
+               "You are a helpful assistant. Answer in one short sentence.", PROMPT]
+    runs = run_twice(agent_server, command, claude_env(agent_server, tmp_path), work)
+    for done, _ in runs:
+        assert done.returncode == 0 and done.stdout.strip(), (done.returncode, done.stdout, done.stderr)
     check_served_and_reused(runs, "/v1/messages")

@@ -135,6 +135,21 @@ def test_claude_codes_first_request_as_captured_parses_renders_and_compiles() ->
     assert text.index("Say hello.") < text.index("<|im_start|>system\n# Environment")
 
 
+def test_claude_codes_bare_request_with_an_empty_system_turn_is_taken() -> None:
+    """`claude -p --bare --tools "" --system-prompt ...` (2.1.328, captured): no tools, and the
+    harness-context turn after the user turn sent with no content. Anthropic's API takes it; it
+    renders as nothing, where an empty user turn is still a 400."""
+    body = json.loads((Path(__file__).parent / "clients" / "claude-code-2.1.328-bare-request.json").read_text())
+    request = GenerateRequest.model_validate(body)
+    assert request.messages[-1].role == "system" and not request.messages[-1].content
+    job = messages_job(request, NO_TENANTS)
+    assert [m.role for m in job.messages] == ["system", "user"] and job.tool_mode == "none"
+    assert job.messages[1].content == "Say hello."
+    empty_user = {**body, "messages": [*body["messages"], {"role": "user", "content": []}]}
+    with pytest.raises(APIError, match="non-empty content"):
+        messages_job(GenerateRequest.model_validate(empty_user), NO_TENANTS)
+
+
 def test_codexs_first_request_as_captured_parses_with_its_namespace_flattened() -> None:
     """The first request Codex CLI 0.169.0 sent (`codex exec "Say hello."`, captured; ids zeroed):
     developer messages, a `namespace` tool holding five functions, a hosted web_search,

@@ -293,6 +293,10 @@ def to_job(body: MessagesRequest, scope: Scope) -> ChatJob:
     called: set[str] = set()
     for k, message in enumerate(body.messages):
         last = k == len(body.messages) - 1
+        if message.role == "system" and not message.content:
+            # Claude Code sends its harness-context turn empty when it has none (`--bare`);
+            # Anthropic's API takes it, and it renders as nothing.
+            continue
         if not message.content and not (message.role == "assistant" and last):
             # As Anthropic's API answers it; an empty turn would otherwise vanish from the prompt.
             raise APIError(400, f"messages[{k}]: all messages must have non-empty content except for the "
