@@ -25,8 +25,12 @@ class Planned:
     p1: int
     #: Batch row whose logits are sampled, or -1 for a prefill chunk.
     row: int
-    #: A lone decode's guessed next token (drafts.py), fed at p0 + 1 in row `row + 1`; -1: none.
-    guess: int = -1
+    #: A decode's guesses at the tokens after the one it feeds, each fed in a row of its own
+    #: (`guesses[i]` at position p0 + 1 + i, row `row + 1 + i`): tokens the lane's grammar forces
+    #: (jump-forward), or a lone decode's guess from prompt lookup (drafts.py).
+    guesses: tuple[int, ...] = ()
+    #: The guesses are forced by the grammar (else they are a lookup's).
+    forced: bool = False
 
 
 class BatchBuilder:
@@ -71,11 +75,14 @@ class BatchBuilder:
     """
 
     def __init__(self, batch: Batch, grid: int, *, deterministic: bool, fill_tokens: int, pad_seq: int,
-                 lone_last: bool = False, guess: bool = False) -> None:
+                 lone_last: bool = False, guess: bool = False, jump_forward: bool = False) -> None:
         self.batch = batch
         #: A lone decode row's second row is its lane's guessed next token rather than a pad row
         #: (drafts.py). Only where a sequence's last cell can be taken back (attention memory).
         self.guess = guess
+        #: A decoding lane's grammar-forced next tokens ride in its decode step (`_decode_rows`).
+        #: Only where a sequence's last cell can be taken back, as for guesses.
+        self.jump_forward = jump_forward
         self.grid = grid
         self.deterministic = deterministic
         #: The last prompt token always gets a step of its own (recurrent memories, family.py):
@@ -125,13 +132,36 @@ class BatchBuilder:
                     planned.append(self._add_chunk(lane, end))
             self._last_step_prefilled = True
             return self._padded(planned)
+        spare = ALIGN - 1 - len(decoding)
         for lane in decoding:
-            row = batch.add(lane.seq_id, [lane.next_token], lane.n_past, True)
-            planned.append(Planned(lane, lane.n_past, lane.n_past + 1, row))
+            planned.append(self._decode_rows(lane, spare))
+            spare -= len(planned[-1].guesses)
         self._last_step_prefilled = False
-        if len(planned) == 1 and self.guess:
+        if len(planned) == 1 and self.guess and not planned[0].guesses:
             self._add_guess(planned[0])
         return self._padded(planned)
+
+    def _decode_rows(self, lane: Lane, spare: int) -> Planned:
+        """The lane's next token, and after it the tokens its grammar forces (jump-forward), each
+        in a row of its own, while the step stays under 64 rows (`spare` more at most).
+
+        A tool call's first chunk is its name, about fifteen tokens in, and most of
+        them are fixed text (`<tool_call>\\n{"name": "`) or the rest of a name its first
+        token settled. One per step, each waited for the other lanes' prefill steps
+        in between. Under 64 rows every row is computed on its own, over its own
+        sequence's cells, so a forced token's row has the floats its own step would
+        have given it (the lookup guesses' argument, drafts.py): sampling still picks
+        each token from its row, and where that is not the forced token (the chain
+        banned it), the rows after it are taken back as a wrong guess's are. The
+        output is the same as without jump-forward, bit for bit.
+        """
+        batch = self.batch
+        limit = min(spare, lane.request.max_tokens - len(lane.generated) - 1)
+        forced = lane.sampler.forced(limit) if self.jump_forward else []
+        row = batch.add(lane.seq_id, [lane.next_token], lane.n_past, True)
+        for i, token in enumerate(forced):
+            batch.add(lane.seq_id, [token], lane.n_past + 1 + i, True)
+        return Planned(lane, lane.n_past, lane.n_past + 1 + len(forced), row, tuple(forced), forced=bool(forced))
 
     def _add_guess(self, decode: Planned) -> None:
         """In place of the pad row: the lane's guessed next token, when the token this step samples
@@ -144,7 +174,7 @@ class BatchBuilder:
             return
         self.batch.add(lane.seq_id, [guess], decode.p1, True)
         decode.p1 += 1
-        decode.guess = guess
+        decode.guesses = (guess,)
 
     def _deterministic_chunks(self, prefilling: list[Lane], rows: int) -> list[Planned]:
         """The first lane's next tiled rows alone, or its next rows that are computed one at a time,

@@ -180,7 +180,8 @@ class Engine:
         self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
                                      fill_tokens=config.fill_tokens, pad_seq=config.lanes,
                                      lone_last=family.whole_entries,
-                                     guess=config.lookup_decoding and family.any_prefix)
+                                     guess=config.lookup_decoding and family.any_prefix,
+                                     jump_forward=config.jump_forward and family.any_prefix)
         # Placement pads are imported states of zeroed KV rows (steering.py), which attention and
         # sliding-window caches have; recurrent memories get grid-aligned chunks and lone prefill
         # steps, not steered cells.
@@ -255,6 +256,9 @@ class Engine:
         #: Lone decode steps that fed a guessed token (drafts.py), and those whose guess was taken.
         self._guesses = 0
         self._guesses_taken = 0
+        #: Grammar-forced tokens fed ahead in decode steps (jump-forward), and those sampling picked.
+        self._forced_fed = 0
+        self._forced_taken = 0
         self._requests_done = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
@@ -492,6 +496,8 @@ class Engine:
             decode_failures=self._decode_failures,
             guesses=self._guesses,
             guesses_taken=self._guesses_taken,
+            forced_fed=self._forced_fed,
+            forced_taken=self._forced_taken,
             requests_done=self._requests_done,
             prompt_tokens=self._prompt_tokens,
             cached_tokens=self._cached_tokens,
@@ -716,23 +722,34 @@ class Engine:
         if logits is None and lane.request.top_logprobs is not None:
             logits = self.ctx.logits(item.row)
         token = lane.sampler.sample(self.ctx, item.row)
-        if item.guess < 0:
+        if not item.guesses:
             self._take_token(lane, token, logits)
             return
-        # The step also fed the lane's guess at the next position (drafts.py).
-        self._guesses += 1
-        lane.n_past = item.p0 + 1
-        if token != item.guess:
-            # Its cell goes before anything can record the lane's cells.
-            self.pool.trim(lane.seq_id, lane.n_past)
-            self._take_token(lane, token, logits)
-            return
-        if not self._take_token(lane, token, logits):
-            return  # finished on the guessed token: `_finish` took the guessed row's cell back
-        self._guesses_taken += 1
+        # The step also fed guesses at the next positions: forced by the grammar, or a lookup's
+        # (drafts.py). Row i's token is sampled as its own step would have sampled it; while it
+        # is the guess fed after it, row i + 1 holds the next token's logits.
+        if item.forced:
+            self._forced_fed += len(item.guesses)
+        else:
+            self._guesses += 1
+        for i, guess in enumerate(item.guesses):
+            lane.n_past = item.p0 + 1 + i
+            if token != guess:
+                # The cells of the guesses from here go before anything can record the lane's cells.
+                self.pool.trim(lane.seq_id, lane.n_past)
+                self._take_token(lane, token, logits)
+                return
+            if not self._take_token(lane, token, logits):
+                return  # finished on a guessed token: `_finish` took the later rows' cells back
+            if item.forced:
+                self._forced_taken += 1
+            else:
+                self._guesses_taken += 1
+            row = item.row + 1 + i
+            logits = self.ctx.logits(row) if lane.request.top_logprobs is not None else None
+            token = lane.sampler.sample(self.ctx, row)
         lane.n_past = item.p1
-        logits = self.ctx.logits(item.row + 1) if lane.request.top_logprobs is not None else None
-        self._take_token(lane, lane.sampler.sample(self.ctx, item.row + 1), logits)
+        self._take_token(lane, token, logits)
 
     def _take_token(self, lane: Lane, token: int, logits: np.ndarray | None = None) -> bool:
         """A sampled token (from `logits`, needed when the request wants logprobs): finish on EOG,

@@ -68,6 +68,10 @@ class EngineConfig:
     #: Prompt lookup decoding: a lone decode step's spare row feeds the lane's guessed next token
     #: instead of a pad (drafts.py): the same floats, two tokens from a step whose guess is right.
     lookup_decoding: bool = True
+    #: Jump-forward: the tokens a request's grammar forces next (a tool call's opening, the rest
+    #: of a tool's name) are fed in the same decode step as its sampled token, each in a row of
+    #: its own, instead of one per step: the same floats, several tokens from one step.
+    jump_forward: bool = True
     max_queue: int = 64
     #: New requests are refused when they would wait for a lane longer than this, or the oldest
     #: waiting one has (0: never).
@@ -179,6 +183,10 @@ class EngineStats:
     #: whose guess was the sampled token (two tokens from one step).
     guesses: int
     guesses_taken: int
+    #: Tokens a grammar forced that were fed ahead in a decode step (jump-forward), and those of
+    #: them that sampling then picked (the rest had their cells taken back).
+    forced_fed: int
+    forced_taken: int
     requests_done: int
     prompt_tokens: int
     cached_tokens: int

@@ -620,6 +620,17 @@ class Sampler:
         self._watch(token)
         return token
 
+    def forced(self, limit: int) -> list[int]:
+        """The next tokens the grammar allows alone from here (llguidance's fast-forward tokens:
+        `<tool_call>\\n{"name": "` before a call, the rest of a tool's name once its first token
+        tells it apart), at most `limit`. Sampling picks each of them whatever the logits, unless
+        the chain bans one; [] without an active grammar."""
+        if self.grammar is None or limit <= 0 or self.grammar.is_stopped():
+            return []
+        tokens = self.grammar.compute_ff_tokens()
+        # A grammar past its limits here reports it on the next sample, as without this call.
+        return [] if self.grammar.is_error() else tokens[:limit]
+
     def _watch(self, token: int) -> None:
         """Switch a lazy grammar on once a token ends the output with its trigger."""
         if self._dormant is None:

@@ -267,6 +267,13 @@ class EngineCollector(Collector):
             "skippy_engine_lookup_guesses_taken": (
                 "Of those, steps whose guess was the sampled token: two tokens from one step", s.guesses_taken
             ),
+            "skippy_engine_forced_tokens_fed": (
+                "Tokens a grammar forced, fed in the decode step of the token before them (jump-forward)",
+                s.forced_fed,
+            ),
+            "skippy_engine_forced_tokens_taken": (
+                "Of those, tokens sampling picked (the rest had their cells taken back)", s.forced_taken
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -95,6 +95,8 @@ class ServerSettings:
     fast: bool = False
     #: A lone decode step's spare row decodes a guessed next token (drafts.py); output unchanged.
     lookup_decoding: bool = True
+    #: Grammar-forced tokens ride in their lane's decode step, several a step; output unchanged.
+    jump_forward: bool = True
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS
     #: The temperature of a request that sets none. Agents such as Codex CLI send none, and a small
     #: model sampled at 1.0 can ramble until max_tokens, which such a client reports as a failure.
@@ -147,6 +149,7 @@ class ServerSettings:
             cache=self.cache,
             deterministic=not self.fast,
             lookup_decoding=self.lookup_decoding,
+            jump_forward=self.jump_forward,
             max_queue=self.queue_size,
             max_queue_wait_s=self.max_queue_wait,
             host_cache_bytes=None if self.host_cache_mib is None else self.host_cache_mib * MIB,
@@ -404,6 +407,10 @@ OPTIONS: tuple[Option, ...] = (
            "followed its last tokens earlier in the prompt or reply) in the row it pads with anyway; a right "
            "guess gives two tokens from one step, and the output is the same either way (default on)",
            is_bool=True),
+    Option("jump_forward", "--jump-forward", "SKIPPY_JUMP_FORWARD", "jump_forward", _bool,
+           "jump-forward: the tokens a grammar forces next (a tool call's opening and the rest of a tool's "
+           "name, a JSON schema's fixed keys) are decoded in the same step as the token before them, several "
+           "a step, instead of one per step; the output is the same either way (default on)", is_bool=True),
     Option("default_max_tokens", "--default-max-tokens", "SKIPPY_DEFAULT_MAX_TOKENS", "default_max_tokens",
            _int(1), f"max_tokens of a chat request that sets none (default {DEFAULT_CHAT_MAX_TOKENS}, "
            "or what is left of the context if less)", "N"),
