@@ -6,7 +6,8 @@
 Alternate the two a few times and compare medians: one run moves by 10% or more on a 2-core
 machine. Prints zero's throughput and TTFT p50 (16 distinct 512-token prompts, 16 tokens,
 4 at a time), tenants' later-round TTFT p50 (8 system prompts of 600 tokens, 3 rounds) and
-chat's TTFT p50 over turns 2-5 (4 conversations, 24-token replies).
+chat's TTFT p50 over turns 2-5 (4 conversations, 24-token replies), and joins' TTFT mean and
+p50 (a long prompt sent with three that share a system prompt, twice).
 """
 from __future__ import annotations
 
@@ -63,14 +64,31 @@ def chat(engine: Engine) -> float:
     return statistics.median(ttft)
 
 
+def joins(engine: Engine) -> tuple[float, float]:
+    """TTFT mean and p50 (ms) of four requests sent at once: a 1,500-token prompt, then three that
+    share an 880-token system prompt (the later two join the first one's prefill, inflight.py)."""
+    means, p50s = [], []
+    for r in range(2):
+        system = text_tokens(engine, 832, seed=9500 + r)
+        requests = [GenerationRequest(tokens=text_tokens(engine, 1500, seed=9600 + r), max_tokens=1)]
+        requests += [GenerationRequest(tokens=system + text_tokens(engine, 48, seed=9700 + 10 * r + q),
+                                       max_tokens=1) for q in range(3)]
+        ttft = [d.stats.ttft_ms for d in engine.generate_many(requests)]
+        means.append(statistics.mean(ttft))
+        p50s.append(statistics.median(ttft))
+    return statistics.mean(means), statistics.mean(p50s)
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if a != "--fast"]
     label = args[0] if args else "this checkout"
     engine = Engine(EngineConfig(cache_dir=None, deterministic="--fast" not in sys.argv))
     try:
         rate, zero_ttft = zero(engine)
+        joins_mean, joins_p50 = joins(engine)
         print(f"{label}: zero {rate:.3f} req/s, TTFT p50 {zero_ttft:.0f} ms | tenants later p50 "
-              f"{tenants(engine):.0f} ms | chat turns 2-5 p50 {chat(engine):.0f} ms", flush=True)
+              f"{tenants(engine):.0f} ms | chat turns 2-5 p50 {chat(engine):.0f} ms | joins TTFT mean "
+              f"{joins_mean:.0f} ms, p50 {joins_p50:.0f} ms", flush=True)
     finally:
         engine.close()
 

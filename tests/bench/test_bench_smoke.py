@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import csv
 import json
 import socket
 import subprocess
@@ -111,6 +112,15 @@ def test_every_workload_runs_counts_failures_and_writes_outputs(tmp_path: Path) 
     assert warm_hits and all(m["cached_tokens"] > 0 for m in warm_hits)
 
     assert outcome.png_path.exists() and outcome.png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The timeline: one row per request, sent time and skippy-cache's own queue and prefill times.
+    assert outcome.timeline_path is not None
+    with outcome.timeline_path.open() as f:
+        timeline = list(csv.DictReader(f))
+    assert [int(r["seq"]) for r in timeline] == [m["seq"] for m in measured]
+    assert all(float(r["sent_s"]) >= 0 for r in timeline)
+    served = [r for r in timeline if r["target"] == "skippy-cache"]
+    assert all(r["queue_ms"] and r["prefill_ms"] and r["cache_source"] for r in served)
 
     # The summary kept in the repository: what ran, where, with what, and the figures; no requests.
     assert outcome.summary_path is not None

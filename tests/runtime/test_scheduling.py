@@ -90,6 +90,21 @@ def test_a_short_prefill_goes_before_a_long_one(engine: Engine) -> None:
     run_to_end(engine)
 
 
+def test_a_prefill_that_other_requests_wait_on_goes_before_a_shorter_one(engine: Engine) -> None:
+    # A 500-token prompt, then an 880-token one whose first 832 tokens two more requests share:
+    # they join it (inflight.py), so its rows serve three requests, and it goes first.
+    alone = submit(engine, GenerationRequest(tokens=make_tokens(engine, 500, seed=530), max_tokens=1))
+    system = make_tokens(engine, 832, seed=531)
+    shared = [submit(engine, GenerationRequest(tokens=system + make_tokens(engine, 48, seed=532 + i),
+                                               max_tokens=1)) for i in range(3)]
+    engine.step()
+    leader, *joiners = [lane_of(engine, e) for e in shared]
+    assert [lane.phase for lane in joiners] == [Phase.JOIN, Phase.JOIN]
+    assert leader.n_past > 0 and lane_of(engine, alone).n_past == 0
+    done = run_to_end(engine)
+    assert [done[id(e)].stats.cache_source for e in shared] == ["none", "inflight", "inflight"]
+
+
 def test_a_lane_joins_the_prefix_another_lane_is_prefilling(engine: Engine) -> None:
     system = make_tokens(engine, 600, seed=520)
     tails = [make_tokens(engine, 30, seed=521 + i) for i in range(3)]

@@ -51,6 +51,7 @@ from skippy_cache.bench.run import (
     Run,
     Sizes,
     planned_requests,
+    write_timeline,
 )
 from skippy_cache.bench.summary import Figure, Goal, figures, goals, overheads, replica_figures, replica_goals
 from skippy_cache.bench.targets import (
@@ -111,6 +112,9 @@ class BenchOutcome:
     #: None for an open-loop run: its figures are per rate, not the README's.
     summary_path: Path | None
     document: dict[str, Any]
+    #: Every request of the run as a CSV row (`write_timeline`); None for an open-loop run, whose
+    #: JSON lists each request with its arrival time.
+    timeline_path: Path | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -449,7 +453,9 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
     }
     json_path = config.out_dir / f"bench-{stamp}.json"
     png_path = config.out_dir / f"bench-{stamp}.png"
+    timeline_path = config.out_dir / f"timeline-{stamp}.csv"
     write_json(json_path, document)
+    write_timeline(timeline_path, recorded.measurements)
     summary_path = write_summary(config.results_dir, summarize(document))
     chart_labels = labels + ([*CONFIGURATIONS] if replica_part else [])
     write_chart(png_path, figs + replica_figs, chart_labels, config.workloads)
@@ -472,8 +478,9 @@ def bench(config: BenchConfig, console: Console | None = None) -> BenchOutcome:
         console.print(f"[bold red]{failed} request(s) failed[/]; first errors:")
         for m in [m for m in recorded.measurements if not m.ok][:5]:
             console.print(f"  {m.workload}/{m.target}/{m.group}: {m.error}", highlight=False, markup=False)
-    console.print(f"JSON: {json_path}\nPNG:  {png_path}\nsummary: {summary_path} (make docs renders it)")
-    return BenchOutcome(json_path, png_path, summary_path, document)
+    console.print(f"JSON: {json_path}\nPNG:  {png_path}\ntimeline: {timeline_path} (every request: sent, "
+                  f"queue, prefill, source, TTFT)\nsummary: {summary_path} (make docs renders it)")
+    return BenchOutcome(json_path, png_path, summary_path, document, timeline_path)
 
 
 def reference_label(config: BenchConfig, targets: list[Target]) -> str | None:

@@ -7,9 +7,11 @@ its `Measurement` whatever happened, and advances the progress bar. A request ma
 
 from __future__ import annotations
 
+import csv
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from skippy_cache.bench.client import BenchClient, Reply
@@ -126,9 +128,27 @@ class Measurement:
     #: `prefill_ms`; None: not said).
     queue_ms: float | None = None
     prefill_ms: float | None = None
+    #: When it was sent, in seconds since the run began: which requests overlapped, for the timeline.
+    sent_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: The timeline's columns (`write_timeline`): every request, in the order they were answered.
+TIMELINE_COLUMNS = ("seq", "workload", "target", "group", "sent_s", "ok", "queue_ms", "prefill_ms",
+                    "restore_ms", "ttft_ms", "total_ms", "prompt_tokens", "cached_tokens", "completion_tokens",
+                    "cache_source", "error")
+
+
+def write_timeline(path: Path, measurements: list[Measurement]) -> None:
+    """Every request as one CSV row: when it was sent, its wait for a lane, its prefill, where its
+    cache hit came from, its TTFT. A tail is read from this, not guessed from percentiles."""
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=TIMELINE_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for m in measurements:
+            writer.writerow({k: round(v, 1) if isinstance(v, float) else v for k, v in m.to_json().items()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +198,8 @@ class Run:
     predicted: dict[str, float] = field(default_factory=dict)
     #: The model's KV bytes per token, for the replay's budgets (set when the trace workload runs).
     kv_bytes_per_token: int = 1
+    #: `time.perf_counter()` when the run began: the timeline's zero.
+    started: float = field(default_factory=time.perf_counter)
 
     def targets_for(self, workload: str) -> list[Target]:
         """The cache-off twin exists only to measure the cache's overhead: the zero workload."""
@@ -196,6 +218,7 @@ class Run:
         replica, server = target.member(index) if isinstance(target, Replicas) else (None, target)
         if server.model_id is not None:
             body = {"model": server.model_id, **body}
+        sent = time.perf_counter() - self.started
         reply = await self.client.stream(server.url, path, body)
         self.measurements.append(
             Measurement(
@@ -215,6 +238,7 @@ class Run:
                 reply.restore_ms,
                 reply.queue_ms,
                 reply.prefill_ms,
+                sent,
             )
         )
         self.on_request(workload, target.label, reply)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from skippy_cache.placement import ALIGN
@@ -14,6 +15,12 @@ from skippy_cache.runtime.native import Batch
 #: only to this many rows: in so short a step, the cost every step pays once (reading the weights)
 #: is worth sharing.
 JOIN_ROWS = 16
+
+#: How much sooner a cold prefill counts as finishing per second it has waited (`prefill_order`):
+#: about half the prompt rows this project's 2-core machine computes a second, so a long prompt
+#: behind a stream of shorter ones goes first once it has waited as long as their difference
+#: would take to compute twice over.
+AGING_ROWS_PER_S = 100.0
 
 
 @dataclass(slots=True)
@@ -33,6 +40,30 @@ class Planned:
     forced: bool = False
 
 
+def prefill_order(prefilling: list[Lane], lanes: list[Lane], short: int, now: float) -> list[Lane]:
+    """The prefilling lanes in the order their rows go next: the cost of what waits on each.
+
+    A lane with at most `short` rows left (a hit's question, a short prompt) goes
+    before every longer one: its first token is a step away. Among the rest the
+    one that finishes soonest goes first, its rows divided by the requests that
+    wait for them (itself and the lanes joined to its prefix, inflight.py: one
+    prefill serves them all), less `AGING_ROWS_PER_S` for each second it has
+    waited, so a long prompt is not passed over forever. Each lane's rows are
+    computed as its cold run computes them whatever the order, so the order
+    changes when a token comes, never what it is.
+    """
+    waiting: dict[int, int] = {}
+    for lane in lanes:
+        if lane.phase is Phase.JOIN and lane.leader is not None:
+            waiting[id(lane.leader)] = waiting.get(id(lane.leader), 0) + 1
+
+    def key(lane: Lane) -> tuple[bool, float]:
+        rows = lane.prefill_end - lane.n_past
+        return rows > short, rows / (1 + waiting.get(id(lane), 0)) - AGING_ROWS_PER_S * (now - lane.t_submit)
+
+    return sorted(prefilling, key=key)
+
+
 class BatchBuilder:
     """Fills the batch so that first tokens come out early and a decode row's floats do not
     depend on what else runs.
@@ -48,12 +79,14 @@ class BatchBuilder:
     run did. A lone decode row's second row is, where it can be, its lane's
     guessed next token instead (drafts.py): a step that guessed right yields two
     tokens, each with the floats of its own step. Steps alternate while both kinds wait:
-    - a decode step: every decoding lane's next token (one row each). It comes
+    - a decode step: every decoding lane's next token (one row each, and the
+      tokens its grammar forces after it: `_decode_rows`). It comes
       right after a prefill step, and whenever a lane's last prompt token waits:
       that first token would otherwise wait for another lane's whole prefill
       chunk, which takes hundreds of times as long as a decode step;
-    - a prefill step: chunks, short remaining prefills first, then in arrival
-      order. The first chunk may fill the step (the batch, or fewer rows when
+    - a prefill step: chunks, in `prefill_order` (short remaining prefills
+      first, then the one that finishes soonest for the requests waiting on
+      it). The first chunk may fill the step (the batch, or fewer rows when
       the KV view is wide: `step_rows`), or in fast mode `fill_tokens` rows
       while lanes decode (their next tokens wait for it); further lanes join only while
       the step holds fewer than `fill_tokens` tokens. Past that size a CPU
@@ -117,7 +150,7 @@ class BatchBuilder:
         if prefilling and not (decoding and (self._last_step_prefilled or last_token)):
             # A prefill step holds no decode row: with 64 rows or more a decode row
             # would take the tiled kernel, and its floats would depend on what else runs.
-            prefilling.sort(key=lambda lane: (lane.prefill_end - lane.n_past > self.fill_tokens, lane.t_submit))
+            prefilling = prefill_order(prefilling, lanes, self.fill_tokens, time.perf_counter())
             if self.deterministic:
                 planned += self._deterministic_chunks(prefilling, rows)
                 self._last_step_prefilled = True
