@@ -10,6 +10,7 @@ import pytest
 
 from skippy_cache.runtime import Engine, EngineConfig, SamplingParams
 from skippy_cache.runtime.native import literal_json_grammar
+from skippy_cache.runtime.lane import Phase
 from skippy_cache.runtime.requests import DoneEvent, Event, FinishReason, GenerationRequest, TokenEvent
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
@@ -131,3 +132,25 @@ def test_a_reply_that_ends_inside_a_forced_run_is_recorded_without_its_rows(
     for entry in exact_engine.cache.tiers.resident.entries():
         assert exact_engine.pool.cells.pos_max(entry.seq_id) + 1 == entry.token_count
     assert exact_engine.invariant_failures == []
+
+
+def test_the_forced_opening_rides_with_the_prompts_last_rows_in_exact_mode() -> None:
+    # The prompt's last rows are computed one at a time and take its last token along (exact.py);
+    # the call's forced opening joins them, so the step that gives the first token gives the
+    # ten forced tokens and the first one the grammar leaves open, the name's first.
+    engine = Engine(EngineConfig(ctx_size=2048, lanes=2, check_invariants=True), start=False)
+    try:
+        question = request(engine, "Read README.md.")
+        events: list[Event] = []
+        engine.submit(question, events.append)
+        steps = 0
+        while not events:
+            assert engine.step()
+            steps += 1
+        (lane,) = engine.scheduler.lanes
+        assert lane.phase is Phase.DECODE and len(lane.generated) == 11
+        opening = b"".join(engine.model.token_bytes(t) for t in lane.generated[:10])
+        assert opening == b'<tool_call>\n{"name": "'
+        assert steps == 1 and engine.invariant_failures == []
+    finally:
+        engine.close(drain=False)

@@ -32,9 +32,10 @@ class Planned:
     p1: int
     #: Batch row whose logits are sampled, or -1 for a prefill chunk.
     row: int
-    #: A decode's guesses at the tokens after the one it feeds, each fed in a row of its own
-    #: (`guesses[i]` at position p0 + 1 + i, row `row + 1 + i`): tokens the lane's grammar forces
-    #: (jump-forward), or a lone decode's guess from prompt lookup (drafts.py).
+    #: Guesses at the tokens after the sampled row's, each fed in a row of its own (the run's last
+    #: rows: `guesses[i]` at position p1 - len(guesses) + i, row `row + 1 + i`): tokens the
+    #: lane's grammar forces (jump-forward, after a decode's token or a prompt's last token), or
+    #: a lone decode's guess from prompt lookup (drafts.py).
     guesses: tuple[int, ...] = ()
     #: The guesses are forced by the grammar (else they are a lookup's).
     forced: bool = False
@@ -188,13 +189,22 @@ class BatchBuilder:
         banned it), the rows after it are taken back as a wrong guess's are. The
         output is the same as without jump-forward, bit for bit.
         """
-        batch = self.batch
-        limit = min(spare, lane.request.max_tokens - len(lane.generated) - 1)
-        forced = lane.sampler.forced(limit) if self.jump_forward else []
-        row = batch.add(lane.seq_id, [lane.next_token], lane.n_past, True)
+        row = self.batch.add(lane.seq_id, [lane.next_token], lane.n_past, True)
+        decode = Planned(lane, lane.n_past, lane.n_past + 1, row)
+        self._add_forced(decode, spare)
+        return decode
+
+    def _add_forced(self, item: Planned, spare: int) -> None:
+        """After the run whose last row is sampled: the tokens the lane's grammar forces next, each
+        in a row of its own (at most `spare`, and none past the reply's `max_tokens`)."""
+        lane = item.lane
+        if not self.jump_forward:
+            return
+        forced = lane.sampler.forced(min(spare, lane.request.max_tokens - len(lane.generated) - 1))
         for i, token in enumerate(forced):
-            batch.add(lane.seq_id, [token], lane.n_past + 1 + i, True)
-        return Planned(lane, lane.n_past, lane.n_past + 1 + len(forced), row, tuple(forced), forced=bool(forced))
+            self.batch.add(lane.seq_id, [token], item.p1 + i, True)
+        item.p1 += len(forced)
+        item.guesses, item.forced = tuple(forced), bool(forced)
 
     def _add_guess(self, decode: Planned) -> None:
         """In place of the pad row: the lane's guessed next token, when the token this step samples
@@ -235,6 +245,11 @@ class BatchBuilder:
                     # (a pass over the weights, and a pad row).
                     end += 1
                 planned.append(self._add_chunk(lane, end))
+                if end == len(lane.prompt):
+                    # And the tokens a grammar forces at the reply's start (a required call's
+                    # opening): computed row by row here too, so its first sampled token is the
+                    # first one the grammar leaves open.
+                    self._add_forced(planned[-1], ALIGN - 1 - self.batch.n_tokens)
         return planned
 
     def _padded(self, planned: list[Planned]) -> list[Planned]:

@@ -732,8 +732,9 @@ class Engine:
             self._forced_fed += len(item.guesses)
         else:
             self._guesses += 1
+        after_sampled = item.p1 - len(item.guesses)  # the position after the sampled row's
         for i, guess in enumerate(item.guesses):
-            lane.n_past = item.p0 + 1 + i
+            lane.n_past = after_sampled + i
             if token != guess:
                 # The cells of the guesses from here go before anything can record the lane's cells.
                 self.pool.trim(lane.seq_id, lane.n_past)
