@@ -4,13 +4,12 @@ bit, alone, beside other lanes, sampled at a temperature, and when it ends insid
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from exactmode import run_all
 
 from skippy_cache.runtime import Engine, EngineConfig, SamplingParams
-from skippy_cache.runtime.native import literal_json_grammar
 from skippy_cache.runtime.lane import Phase
+from skippy_cache.runtime.native import literal_json_grammar
 from skippy_cache.runtime.requests import DoneEvent, Event, FinishReason, GenerationRequest, TokenEvent
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
@@ -46,26 +45,6 @@ def request(engine: Engine, question: str, **kw) -> GenerationRequest:
     return GenerationRequest(tokens=prompt(engine, question), **settings)
 
 
-def run_all(engine: Engine, requests: list[GenerationRequest]) -> list[tuple[list[TokenEvent], DoneEvent]]:
-    """The requests submitted at once; each one's token events and end."""
-    events: list[list[Event]] = [[] for _ in requests]
-    done = [threading.Event() for _ in requests]
-
-    def sink_for(i: int):  # type: ignore[no-untyped-def]
-        def sink(event: Event) -> None:
-            events[i].append(event)
-            if isinstance(event, DoneEvent):
-                done[i].set()
-        return sink
-
-    for i, r in enumerate(requests):
-        engine.submit(r, sink_for(i))
-    for d in done:
-        assert d.wait(180)
-    return [([e for e in ev if isinstance(e, TokenEvent) and e.token >= 0], ev[-1])  # type: ignore[misc]
-            for ev in events]
-
-
 def same(a: tuple[list[TokenEvent], DoneEvent], b: tuple[list[TokenEvent], DoneEvent]) -> None:
     assert [e.token for e in a[0]] == [e.token for e in b[0]]
     assert [e.logprobs for e in a[0]] == [e.logprobs for e in b[0]]  # floats compared exactly
@@ -97,7 +76,7 @@ def test_lanes_decoding_forced_tokens_side_by_side_get_what_each_gets_alone(
 ) -> None:
     questions = [request(exact_engine, q) for q in (
         "Read README.md.", "Search the code for 'def main'.", "Write 3 lines to notes.txt.")]
-    together = run_all(exact_engine, questions)
+    together = run_all(exact_engine, questions, wait_s=180)
     for question, jumped in zip(questions, together, strict=True):
         [plain] = run_all(one_per_step, [question])
         same(jumped, plain)

@@ -3,14 +3,12 @@ and the reply, its logprobs and what the cache records are those of a plain deco
 
 from __future__ import annotations
 
-import threading
-
 import pytest
-from exactmode import assert_bit_exact
+from exactmode import assert_bit_exact, run_all
 
 from skippy_cache.drafts import Drafter
 from skippy_cache.runtime import Engine, EngineConfig
-from skippy_cache.runtime.requests import DoneEvent, Event, FinishReason, GenerationRequest, TokenEvent
+from skippy_cache.runtime.requests import FinishReason, GenerationRequest
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(600)]
 
@@ -34,21 +32,6 @@ def chat(engine: Engine, question: str) -> list[int]:
                                  "<|im_start|>assistant\n")
 
 
-def run(engine: Engine, request: GenerationRequest) -> tuple[list[TokenEvent], DoneEvent]:
-    events: list[Event] = []
-    done = threading.Event()
-
-    def sink(event: Event) -> None:
-        events.append(event)
-        if isinstance(event, DoneEvent):
-            done.set()
-
-    engine.submit(request, sink)
-    assert done.wait(120)
-    tokens = [e for e in events if isinstance(e, TokenEvent) and e.token >= 0]
-    return tokens, events[-1]  # type: ignore[return-value]
-
-
 def taken_guesses(prompt: list[int], reply: list[int], max_tokens: int) -> list[int]:
     """Indexes of the reply's tokens that a step sampled as the guess it had fed (engine.py): the steps
     replayed from the reply itself. A step feeds `reply[j]` and guesses `reply[j + 1]`; a right guess
@@ -70,9 +53,9 @@ def test_guessed_tokens_are_a_plain_decodes_tokens_and_logprobs(
     request = GenerationRequest(tokens=chat(exact_engine, QUESTION), max_tokens=96, top_logprobs=3,
                                 record=False, lookup=False)
     before = exact_engine.stats()
-    guessed, _ = run(exact_engine, request)
+    [(guessed, _)] = run_all(exact_engine, [request])
     after = exact_engine.stats()
-    plain, _ = run(plain_engine, request)
+    [(plain, _)] = run_all(plain_engine, [request])
     assert plain_engine.stats().guesses == 0
     taken = after.guesses_taken - before.guesses_taken
     assert taken >= 10, f"only {taken} of {after.guesses - before.guesses} guesses taken"

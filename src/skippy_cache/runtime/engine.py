@@ -783,8 +783,9 @@ class Engine:
                 request_fault: bool = False) -> None:
         completed = reason in (FinishReason.STOP, FinishReason.LENGTH)
         if completed and self.pool.cells.pos_max(lane.seq_id) >= lane.n_past:
-            # A guessed row past the last token the lane took (drafts.py): the record holds exactly
-            # the state of the tokens decoded for the reply, as without the guess.
+            # Guessed rows past the last token the lane took (a lookup's or grammar-forced,
+            # batching.py): the record holds exactly the state of the tokens decoded for the
+            # reply, as without the guesses.
             self.pool.trim(lane.seq_id, lane.n_past)
         tail = lane.stream.finish().text if completed else ""
         if tail:
