@@ -148,6 +148,9 @@ def test_claude_codes_bare_request_with_an_empty_system_turn_is_taken() -> None:
     empty_user = {**body, "messages": [*body["messages"], {"role": "user", "content": []}]}
     with pytest.raises(APIError, match="non-empty content"):
         messages_job(GenerateRequest.model_validate(empty_user), NO_TENANTS)
+    nothing_else = {**body, "messages": [{"role": "system", "content": []}]}
+    with pytest.raises(APIError, match="at least one message must have content"):
+        messages_job(GenerateRequest.model_validate(nothing_else), NO_TENANTS)
 
 
 def test_codexs_first_request_as_captured_parses_with_its_namespace_flattened() -> None:

@@ -289,6 +289,11 @@ def to_job(body: MessagesRequest, scope: Scope) -> ChatJob:
         blocks = [body.system] if isinstance(body.system, str) else [b.text for b in body.system]
         blocks[0] = rewrite_billing_line(blocks[0])
         messages.append(ChatMessage(role="system", content="\n".join(blocks)))
+    if all(m.role == "system" and not m.content for m in body.messages):
+        # Empty system turns render as nothing (below): with nothing else the request is the
+        # empty `messages` Anthropic's API refuses.
+        raise APIError(400, "messages: at least one message must have content", param="messages",
+                       code="invalid_value")
     prefill = ""
     called: set[str] = set()
     for k, message in enumerate(body.messages):
