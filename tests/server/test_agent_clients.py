@@ -12,6 +12,7 @@ one other ending allowed.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -75,12 +76,30 @@ def check_served_and_reused(runs: list[tuple[subprocess.CompletedProcess, dict[s
     assert cached >= 0.8 * prompt, second
 
 
+#: A model catalog entry (Codex's `model_catalog_json`) as users write one for a local model; with
+#: `apply_patch_tool_type: freeform` Codex sends apply_patch as a custom tool with a Lark grammar.
+CODEX_CATALOG = {"models": [{
+    "slug": "skippy-cache", "display_name": "skippy-cache", "description": "A local model",
+    "default_reasoning_level": "medium", "supported_reasoning_levels": [{"effort": "medium", "description": "medium"}],
+    "shell_type": "shell_command", "visibility": "list", "supported_in_api": True, "priority": 0,
+    "base_instructions": "You are a coding agent.", "supports_reasoning_summaries": False,
+    "default_reasoning_summary": "none", "support_verbosity": False, "apply_patch_tool_type": "freeform",
+    "truncation_policy": {"mode": "bytes", "limit": 10000}, "context_window": 32768, "max_context_window": 32768,
+    "effective_context_window_percent": 95, "supports_parallel_tool_calls": False,
+    "experimental_supported_tools": [], "input_modalities": ["text"]}]}
+
+
+@pytest.mark.parametrize("catalog", [False, True], ids=["default-metadata", "catalog-freeform-apply-patch"])
 def test_codex_cli_answers_twice_and_the_second_run_reuses_its_prompt(agent_server: LiveServer,
-                                                                      tmp_path: Path) -> None:
+                                                                      tmp_path: Path, catalog: bool) -> None:
     home = tmp_path / "home"
     (home / ".codex").mkdir(parents=True)
+    config = 'model = "skippy-cache"\nmodel_provider = "skippy"\n'
+    if catalog:
+        (home / ".codex" / "models.json").write_text(json.dumps(CODEX_CATALOG))
+        config += f'model_catalog_json = {json.dumps(str(home / ".codex" / "models.json"))}\n'
     (home / ".codex" / "config.toml").write_text(
-        'model = "skippy-cache"\nmodel_provider = "skippy"\n\n[model_providers.skippy]\nname = "skippy"\n'
+        config + '\n[model_providers.skippy]\nname = "skippy"\n'
         f'base_url = "{agent_server.url}/v1"\nwire_api = "responses"\nenv_key = "SKIPPY_KEY"\n')
     work = tmp_path / "work"
     work.mkdir()

@@ -170,6 +170,20 @@ def test_codexs_first_request_as_captured_parses_with_its_namespace_flattened() 
     assert sampling.grammar is not None and '\\"multi_agent_v1.spawn_agent\\"' in sampling.grammar
 
 
+def test_codexs_request_with_its_freeform_apply_patch_parses_and_its_grammar_compiles() -> None:
+    """What Codex CLI 0.169.0 sends for a model whose catalog entry says `apply_patch_tool_type:
+    freeform` (captured; ids zeroed): apply_patch as a custom tool whose input follows Codex's Lark
+    patch grammar. The tool is offered; its grammar joins the call grammar, and a call of it
+    under auto is text, split back out as a custom call."""
+    body = json.loads((Path(__file__).parent / "clients" / "codex-0.169.0-freeform-request.json").read_text())
+    job = responses_job(ResponsesRequest.model_validate(body), NO_TENANTS)
+    patch = next(t for t in job.tools if t.is_custom)
+    assert patch.name == "apply_patch" and patch.custom.format.grammar.syntax == "lark"
+    assert job.custom_names == {"apply_patch"} and "exec_command" in (job.tool_names or set())
+    sampling = tool_sampling(job)
+    assert sampling.grammar_trigger == "<tool_call>" and "*** Begin Patch" in (sampling.grammar or "")
+
+
 def test_a_namespaced_call_goes_back_into_the_prompt_under_its_qualified_name() -> None:
     namespace = {"type": "namespace", "name": "agents", "description": "Sub-agents.",
                  "tools": [{"type": "function", "name": "spawn", "parameters": {"type": "object"}}]}

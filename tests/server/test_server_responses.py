@@ -112,7 +112,9 @@ def test_an_agents_steps_reuse_the_whole_previous_step(exact_server: LiveServer)
 
 
 @pytest.mark.parametrize("change, param", [
-    ({"tools": [{"type": "custom", "name": "x"}]}, "tools[0].type"),
+    ({"tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0].type"),
+    ({"tools": [{"type": "custom", "name": "x", "format": {"type": "grammar", "syntax": "regex",
+                                                          "definition": "(unclosed"}}]}, "tools"),
     ({"tool_choice": {"type": "function", "name": "nope"}}, None),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id"),
@@ -120,7 +122,7 @@ def test_an_agents_steps_reuse_the_whole_previous_step(exact_server: LiveServer)
     ({"input": [{"type": "web_search_call", "id": "x"}]}, "input"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "function", "name": "x", "parameters": {"$ref": "#/nowhere"}}]}, "tools"),
-], ids=["custom", "unknown-named", "previous-response", "orphan-output", "image", "item-type",
+], ids=["other-type", "bad-custom-grammar", "unknown-named", "previous-response", "orphan-output", "image", "item-type",
         "background", "bad-schema"])
 def test_bad_input_is_a_400_naming_the_field(server: LiveServer, change: dict, param: str | None) -> None:
     body = {"model": "m", "input": INPUT, "tools": TOOLS, "max_output_tokens": 4, **change}

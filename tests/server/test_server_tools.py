@@ -114,12 +114,14 @@ def test_an_agents_next_step_reuses_its_whole_previous_step(exact_server: LiveSe
 
 
 @pytest.mark.parametrize("change, param", [
-    ({"tools": [{"type": "custom", "function": {"name": "x"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "mcp", "function": {"name": "x"}}]}, "tools[0].type"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x", "format": {"type": "grammar", "grammar": {
+        "syntax": "lark", "definition": "start: ("}}}}]}, "tools"),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"$ref": "#/nowhere"}}}]}, "tools"),
     ({"messages": [*MESSAGES, {"role": "tool", "tool_call_id": "call_missing", "content": "1"}]}, "messages"),
-], ids=["custom-type", "unknown-named", "bad-name", "bad-schema", "orphan-result"])
+], ids=["other-type", "bad-custom-grammar", "unknown-named", "bad-name", "bad-schema", "orphan-result"])
 def test_bad_tools_are_400s_naming_the_field(server: LiveServer, change: dict, param: str) -> None:
     body = {"model": "skippy-cache", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, **change}
     response = server.http().post("/v1/chat/completions", json=body)

@@ -14,6 +14,7 @@ from skippy_cache.runtime.info import (
 from skippy_cache.runtime.logprobs import MAX_TOP_LOGPROBS, Logprob, TokenLogprobs
 from skippy_cache.runtime.native import (
     PENALTY_LAST_N,
+    FreeText,
     SamplingParams,
     apply_builtin_chat_template,
     builtin_chat_templates,
@@ -40,6 +41,9 @@ from skippy_cache.runtime.startup import StartupError
 from skippy_cache.runtime.weightprobe import WeightLayout, WeightLayoutError
 
 __all__ = [
+    "MAX_TOP_LOGPROBS",
+    "PENALTY_LAST_N",
+    "RTT_BUCKETS",
     "CacheDirBusy",
     "Completion",
     "DoneEvent",
@@ -51,17 +55,15 @@ __all__ = [
     "Event",
     "Explanation",
     "FinishReason",
+    "FreeText",
     "GenerationRequest",
     "GgufInfo",
     "Keep",
     "Logprob",
-    "MAX_TOP_LOGPROBS",
     "ModelNotFoundError",
-    "PENALTY_LAST_N",
     "PoolAudit",
     "PoolView",
     "QueueFullError",
-    "RTT_BUCKETS",
     "RemoteConfig",
     "RemoteStats",
     "RequestError",

@@ -428,24 +428,77 @@ def json_grammar(schema: dict | bool | None = None) -> str:
     return grammar
 
 
-def literal_json_grammar(alternatives: Sequence[tuple[str, str, dict, str]], *, repeat_with: str | None) -> str:
-    """The grammar of one of `alternatives` (a label for errors, text before, a JSON value following
-    the schema, text after), or, with `repeat_with`, one or more of them joined by that text: the
-    shape of tool calls, whose wrapping is fixed text and whose arguments follow each tool's schema.
-    ValueError, led by its label, for a schema that is not JSON or does not compile."""
+@dataclass(frozen=True)
+class FreeText:
+    """A value that is text rather than JSON: any text (`syntax` "text", ended by the text that
+    follows it), or text a user's grammar allows (`syntax` "lark" or "regex", `definition` the
+    grammar: llguidance's Lark, or a Rust `regex` pattern, as OpenAI's custom tools give them)."""
+
+    syntax: str
+    definition: str = ""
+
+
+def literal_json_grammar(alternatives: Sequence[tuple[str, str, dict | FreeText, str]], *,
+                         repeat_with: str | None) -> str:
+    """The grammar of one of `alternatives` (a label for errors, text before, a value, text after),
+    or, with `repeat_with`, one or more of them joined by that text: the shape of tool calls,
+    whose wrapping is fixed text and whose arguments follow each tool's JSON schema (or, for a
+    `FreeText` value, are text). ValueError, led by its label, for a schema that is not JSON or a
+    value's grammar that does not compile."""
     rules = []
-    for i, (label, before, schema, after) in enumerate(alternatives):
+    subgrammars: list[dict[str, str]] = []
+    for i, (label, _, value, after) in enumerate(alternatives):
         try:
-            json_grammar(schema)
-            body = json.dumps(_with_options(schema), ensure_ascii=True)
+            if isinstance(value, FreeText):
+                rule, sub = _free_text_rule(i, value, after)
+                rules.append(rule)
+                subgrammars += sub
+                continue
+            json_grammar(value)
+            body = json.dumps(_with_options(value), ensure_ascii=True)
         except ValueError as exc:
             raise ValueError(f"{label}: {exc}") from None
         rules.append(f"value{i}: %json {body}")
-    # Lark string literals are JSON strings: json.dumps escapes whatever the text holds.
-    one = "one: " + " | ".join(f"{json.dumps(before)} value{i} {json.dumps(after)}"
-                               for i, (_, before, _, after) in enumerate(alternatives))
+    # Lark string literals are JSON strings: json.dumps escapes whatever the text holds. Any
+    # text's rule ends with the text after it (its suffix), so that text is not repeated here.
+    one = "one: " + " | ".join(
+        f"{json.dumps(before)} value{i}" + ("" if _any_text(value) else f" {json.dumps(after)}")
+        for i, (_, before, value, after) in enumerate(alternatives))
     start = f"start: one ({json.dumps(repeat_with)} one)*" if repeat_with is not None else "start: one"
-    return LLMatcher.grammar_from_lark("\n".join([start, one, *rules]) + "\n")
+    main = "\n".join([start, one, *rules]) + "\n"
+    if not subgrammars:
+        return LLMatcher.grammar_from_lark(main)
+    return json.dumps({"grammars": [{"lark_grammar": main}, *subgrammars]})
+
+
+def _any_text(value: dict | FreeText) -> bool:
+    return isinstance(value, FreeText) and value.syntax == "text"
+
+
+def _free_text_rule(i: int, value: FreeText, after: str) -> tuple[str, list[dict[str, str]]]:
+    """Rule `value{i}` for text, and the user's grammar it refers to (its own lexer: its tokens
+    and `%ignore` cannot change how the wrapping around it lexes). ValueError for a grammar that
+    does not compile."""
+    if value.syntax == "text":
+        # Any text up to the first `after`: a lazy lexeme ended by that suffix, which the
+        # model writes too. A greedy `/(.|\n)*/` would never end.
+        return f"value{i}[suffix={json.dumps(after)}]: /(.|\\n)*/", []
+    if value.syntax == "lark":
+        grammar = value.definition
+    elif value.syntax == "regex":
+        # A Lark regex literal ends at an unescaped slash; an escaped one is a slash to `regex`.
+        pattern = re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", value.definition)
+        # ...and at the end of its line: a line break in the pattern is its escape to `regex`.
+        grammar = "start: /" + pattern.replace("\n", "\\n").replace("\r", "\\r") + "/\n"
+    else:
+        raise ValueError(f"grammar syntax {value.syntax!r} is not supported (only 'lark' and 'regex')")
+    # Checked alone, so a reference to another grammar (`@text0`, this one's own name among
+    # them) is unknown: the names are this module's, not the client's.
+    error = grammar_error(grammar)
+    if error:
+        raise ValueError(f"the {value.syntax} grammar cannot be used: {error}")
+    name = f"text{i}"
+    return f"value{i}: @{name}", [{"name": name, "lark_grammar": grammar}]
 
 
 def _with_options(schema: dict) -> dict | bool:

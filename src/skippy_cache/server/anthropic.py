@@ -44,6 +44,7 @@ from skippy_cache.server.schemas import (
     CalledFunction,
     ChatMessage,
     FunctionSpec,
+    FunctionToolCall,
     Strict,
     ToolCall,
     ToolSpec,
@@ -356,7 +357,7 @@ def _chat_messages(message: AnthropicMessage, k: int, called: set[str]) -> list[
         elif isinstance(block, ToolUseBlock):
             called.add(block.id)
             arguments = json.dumps(block.input, ensure_ascii=False)
-            calls.append(ToolCall(id=block.id, type="function", function=CalledFunction(name=block.name,
+            calls.append(FunctionToolCall(id=block.id, type="function", function=CalledFunction(name=block.name,
                                                                                         arguments=arguments)))
         elif isinstance(block, ToolResultBlock):
             if block.tool_use_id not in called:

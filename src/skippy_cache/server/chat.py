@@ -292,8 +292,10 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+        out["tool_calls"] = [{"id": c.id, "type": "custom", "custom": {"name": c.name, "input": c.payload}}
+                             if c.is_custom else
+                             {"id": c.id, "type": "function",
+                              "function": {"name": c.name, "arguments": _arguments(c.payload)}}
                              for c in message.tool_calls]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id

@@ -52,7 +52,7 @@ from skippy_cache.server.schemas import (
 )
 from skippy_cache.server.settings import ServerSettings
 from skippy_cache.server.tenants import Scope, caller_of, scope_of
-from skippy_cache.server.tools import TRIGGER, call_grammar, render_messages
+from skippy_cache.server.tools import TRIGGER, call_grammar, render_messages, uses_custom
 from skippy_cache.server.tracelog import TraceLog
 
 T = TypeVar("T", bound=BaseModel)
@@ -110,7 +110,7 @@ class Generation:
                       parallel=body.parallel_tool_calls is True)
         runs, _ = await self.start_chat(job)
         fmt = ChatFormat(self.model_id, self.system_fingerprint, logprobs=bool(body.logprobs),
-                         tool_names=job.tool_names, incremental=job.constrained,
+                         tool_names=job.tool_names, custom_names=job.custom_names, incremental=job.constrained,
                          legacy_functions=body.legacy_functions)
         return await self._respond(request, runs, body, fmt, job)
 
@@ -145,7 +145,7 @@ class Generation:
             reply = self.memory.by_call(job.namespace, call_id)
             return reply.text if reply is not None else None
 
-        native = self.chat.caps.tools
+        native = self.chat.caps.tools and not uses_custom(job.messages, job.tools)
         messages = render_messages(job.messages, job.tools, recall, native=native)
         return self.prompts.build(messages, job.namespace, tools=job.tools if native else (), prefill=job.prefill)
 

@@ -72,7 +72,14 @@ class ChatJob(Job):
 
     @property
     def tool_names(self) -> set[str] | None:
-        """The tools a reply may call (None: calls are not looked for)."""
+        """The function tools a reply may call (None: calls are not looked for)."""
         if self.tool_mode == "none" or not self.tools:
             return None
-        return {t.function.name for t in self.tools}
+        return {t.name for t in self.tools if not t.is_custom}
+
+    @property
+    def custom_names(self) -> frozenset[str]:
+        """The custom tools a reply may call: their calls are text, not JSON arguments."""
+        if self.tool_mode == "none":
+            return frozenset()
+        return frozenset(t.name for t in self.tools if t.is_custom)

@@ -1,8 +1,9 @@
 """POST /v1/responses: OpenAI's Responses API, stateless, over the chat path.
 
 `instructions` becomes the system message, `input` items chat messages
-(`function_call` items an assistant message's calls, `function_call_output`
-items tool messages), function tools and `tool_choice` the chat API's, and
+(`function_call` and `custom_tool_call` items an assistant message's calls,
+their `..._output` items tool messages), function and custom tools and
+`tool_choice` the chat API's, and
 `text.format` a grammar as chat's `response_format`. A `namespace` tool's
 functions are offered as `NAMESPACE.NAME` and their calls come back as that
 name under `namespace`, as Codex CLI reads them. Nothing is stored: a
@@ -39,9 +40,15 @@ from skippy_cache.server.schemas import (
     FUNCTION_NAME,
     CacheControl,
     CacheSalt,
+    CalledCustom,
     CalledFunction,
     ChatMessage,
+    CustomFormat,
+    CustomGrammar,
+    CustomSpec,
+    CustomToolCall,
     FunctionSpec,
+    FunctionToolCall,
     Strict,
     ToolCall,
     ToolSpec,
@@ -131,9 +138,23 @@ class ReasoningItem(Strict):
     status: str | None = None
 
 
-_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
-                      Field(discriminator="type")]
+class CustomToolCallItem(Strict):
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    input: str
+    id: str | None = None
+    status: str | None = None
+
+
+class CustomToolCallOutputItem(FunctionCallOutputItem):
+    type: Literal["custom_tool_call_output"]  # type: ignore[assignment]
+
+
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+               "reasoning")
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | CustomToolCallItem
+                      | CustomToolCallOutputItem | ReasoningItem, Field(discriminator="type")]
 
 
 class _FunctionTyped(Strict):
@@ -180,18 +201,57 @@ class NamespaceTool(Strict):
     tools: list[FunctionTool] = Field(min_length=1)
 
 
+class CustomToolFormat(Strict):
+    """A custom tool's `format`: any text, or text a grammar allows (`syntax`, `definition`)."""
+
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+    @model_validator(mode="after")
+    def _grammar_given(self) -> CustomToolFormat:
+        if (self.type == "grammar") != (self.syntax is not None and self.definition is not None):
+            raise ValueError("'syntax' and 'definition' are given with format type 'grammar', and only then")
+        return self
+
+    def as_chat(self) -> CustomFormat:
+        if self.syntax is None or self.definition is None:
+            return CustomFormat(type="text")
+        return CustomFormat(type="grammar", grammar=CustomGrammar(definition=self.definition, syntax=self.syntax))
+
+
+class CustomTool(Strict):
+    """`tools[i]` of type custom: the model writes the tool's input as text (server/tools.py)."""
+
+    type: Literal["custom"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    format: CustomToolFormat | None = None
+
+    def as_chat(self) -> ToolSpec:
+        fmt = self.format.as_chat() if self.format is not None else None
+        return ToolSpec(type="custom", custom=CustomSpec(name=self.name, description=self.description, format=fmt))
+
+
 def _tool_kind(tool: Any) -> str:
-    """Namespaces apart; every other type goes to FunctionTool, whose error names the type."""
-    return branch_tag("namespace" if isinstance(tool, dict) and tool.get("type") == "namespace" else "function")
+    """Namespaces and custom tools apart; every other type goes to FunctionTool, whose error names the type."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    return branch_tag(kind if kind in ("namespace", "custom") else "function")
 
 
-AnyTool = FunctionTool | NamespaceTool
+AnyTool = FunctionTool | NamespaceTool | CustomTool
 Tool = Annotated[Annotated[FunctionTool, Tag(branch_tag("function"))]
-                 | Annotated[NamespaceTool, Tag(branch_tag("namespace"))], Discriminator(_tool_kind)]
+                 | Annotated[NamespaceTool, Tag(branch_tag("namespace"))]
+                 | Annotated[CustomTool, Tag(branch_tag("custom"))], Discriminator(_tool_kind)]
 
 
 class NamedFunction(Strict):
     type: Literal["function"]
+    name: str
+
+
+class NamedCustom(Strict):
+    type: Literal["custom"]
     name: str
 
 
@@ -237,7 +297,7 @@ class ResponsesRequest(Strict):
     input: list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | NamedCustom | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -333,7 +393,7 @@ class ResponsesRequest(Strict):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, tools: list[AnyTool] | None) -> list[AnyTool] | None:
-        names = [name for name, _ in _functions(tools)]
+        names = [name for name, _ in _functions(tools)] + [t.name for t in _customs(tools)]
         if len(set(names)) != len(names):
             raise ValueError("two tools have the same name")
         return tools
@@ -343,19 +403,25 @@ class ResponsesRequest(Strict):
         """Every function offered, namespaces flattened: (the name the model sees, the function)."""
         return _functions(self.tools)
 
+    @property
+    def customs(self) -> list[CustomTool]:
+        return _customs(self.tools)
+
     @model_validator(mode="after")
     def _choice_among_tools(self) -> ResponsesRequest:
-        names = {name for name, _ in self.functions}
+        functions = {name for name, _ in self.functions}
+        customs = {t.name for t in self.customs}
         choice = self.tool_choice
-        if (choice == "required" or isinstance(choice, NamedFunction)) and not names:
+        if (choice == "required" or isinstance(choice, NamedFunction | NamedCustom)) and not functions | customs:
             raise ValueError("tool_choice: a choice other than 'none' or 'auto' needs 'tools'")
-        if isinstance(choice, NamedFunction) and choice.name not in names:
-            raise ValueError(f"tool_choice: the tool {choice.name!r} is not among 'tools'")
+        named = functions if isinstance(choice, NamedFunction) else customs
+        if isinstance(choice, NamedFunction | NamedCustom) and choice.name not in named:
+            raise ValueError(f"tool_choice: the {choice.type} tool {choice.name!r} is not among 'tools'")
         return self
 
     @property
     def tool_mode(self) -> str:
-        if isinstance(self.tool_choice, NamedFunction):
+        if isinstance(self.tool_choice, NamedFunction | NamedCustom):
             return self.tool_choice.name
         return self.tool_choice or ("auto" if self.tools else "none")
 
@@ -365,9 +431,13 @@ def _functions(tools: list[AnyTool] | None) -> list[tuple[str, FunctionTool]]:
     for tool in tools or ():
         if isinstance(tool, NamespaceTool):
             out += [(qualified(tool.name, f.name), f) for f in tool.tools]
-        else:
+        elif isinstance(tool, FunctionTool):
             out.append((tool.name, tool))
     return out
+
+
+def _customs(tools: list[AnyTool] | None) -> list[CustomTool]:
+    return [tool for tool in tools or () if isinstance(tool, CustomTool)]
 
 
 def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
@@ -378,10 +448,13 @@ def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
     for k, item in enumerate(body.input):
         if isinstance(item, MessageItem):
             messages.append(ChatMessage(role=item.role, content=item.text))
-        elif isinstance(item, FunctionCallItem):
+        elif isinstance(item, FunctionCallItem | CustomToolCallItem):
             called.add(item.call_id)
-            call = ToolCall(id=item.call_id, type="function",
-                            function=CalledFunction(name=item.qualified_name, arguments=item.arguments))
+            call: ToolCall = CustomToolCall(id=item.call_id, type="custom",
+                                            custom=CalledCustom(name=item.name, input=item.input)) \
+                if isinstance(item, CustomToolCallItem) else \
+                FunctionToolCall(id=item.call_id, type="function",
+                                 function=CalledFunction(name=item.qualified_name, arguments=item.arguments))
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 # The calls of one reply come as consecutive items, after its text if it had any.
@@ -391,7 +464,8 @@ def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in called:
                 raise APIError(400, f"input[{k}] is the output of call {item.call_id!r}, which no earlier "
-                               "function_call item made", param=f"input[{k}].call_id", code="invalid_value")
+                               "function_call or custom_tool_call item made", param=f"input[{k}].call_id",
+                               code="invalid_value")
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.text))
     sampling = SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -401,7 +475,7 @@ def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
     # The qualified name is set after validation: a name with a dot is this server's own, not a client's.
     tools = [ToolSpec(type="function", function=FunctionSpec.model_validate(
         t.model_dump(exclude={"type"})).model_copy(update={"name": name}))
-        for name, t in body.functions]
+        for name, t in body.functions] + [t.as_chat() for t in body.customs]
     return ChatJob(sampling=sampling, temperature_given=body.temperature is not None,
                    max_tokens=body.max_output_tokens, max_tokens_bound=True,
                    **scoped(scope, body.cache_salt),
@@ -429,13 +503,14 @@ class ResponseFormat:
     """One response object, whole or as its stream of events (each with its `sequence_number`)."""
 
     def __init__(self, model: str, body: ResponsesRequest, tool_names: set[str] | None,
-                 incremental: bool, default_temperature: float) -> None:
+                 incremental: bool, default_temperature: float, custom_names: frozenset[str] = frozenset()) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.incremental = incremental
         self.created = int(time.time())
         self.model = model
         self.body = body
         self.tool_names = tool_names
+        self.custom_names = custom_names
         self.temperature = default_temperature if body.temperature is None else body.temperature
         self.calls: list[Call] = []
         self._sequence = 0
@@ -446,7 +521,8 @@ class ResponseFormat:
     def whole(self, done: DoneEvent) -> dict:
         text = done.text
         if self.tool_names is not None:
-            text, self.calls = split_reply(done.text, self.tool_names, incremental=self.incremental)
+            text, self.calls = split_reply(done.text, self.tool_names, incremental=self.incremental,
+                                           custom=self.custom_names)
         output = []
         if text or not self.calls:
             output.append(_message_item(f"msg_{uuid.uuid4().hex}", text, _status(done)))
@@ -465,7 +541,7 @@ class ResponseFormat:
             "parallel_tool_calls": body.parallel_tool_calls is True,
             "temperature": self.temperature,
             "top_p": 1.0 if body.top_p is None else body.top_p,
-            "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else body.tool_mode,
+            "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction | NamedCustom) else body.tool_mode,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
             "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                      if body.text is not None and body.text.format is not None else {"type": "text"}},
@@ -480,7 +556,7 @@ class ResponseFormat:
     async def events(self, runs: EngineRuns) -> AsyncIterator[str]:
         """response.created and .in_progress; per output item its added / deltas / done events;
         then response.completed (or .incomplete at max_output_tokens)."""
-        splitter = CallSplitter(self.tool_names or set(), incremental=self.incremental)
+        splitter = CallSplitter(self.tool_names or set(), incremental=self.incremental, custom=self.custom_names)
         items = _Items(self._event)
         head = self._object("in_progress", [], None)
         yield self._event("response.created", response=head)
@@ -520,14 +596,18 @@ def _message_item(item_id: str, text: str, status: str) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part]}
 
 
-def _item_id(call_id: str) -> str:
-    """A function_call item's id: its call's, prefixed as OpenAI's are."""
-    return f"fc_{call_id.removeprefix('call_')}"
+def _item_id(call: Call) -> str:
+    """A call item's id: its call's, prefixed as OpenAI's are."""
+    return f"{'ctc' if call.custom else 'fc'}_{call.id.removeprefix('call_')}"
 
 
 def _call_item(call: Call, status: str, arguments: str | None = None) -> dict:
+    if call.custom:
+        # OpenAI's custom_tool_call items carry no status.
+        return {"type": "custom_tool_call", "id": _item_id(call), "call_id": call.id, "name": call.name,
+                "input": call.arguments if arguments is None else arguments}
     namespace, name = split_qualified(call.name)
-    item = {"type": "function_call", "id": _item_id(call.id), "call_id": call.id, "name": name,
+    item = {"type": "function_call", "id": _item_id(call), "call_id": call.id, "name": name,
             "arguments": call.arguments if arguments is None else arguments, "status": status}
     return item if namespace is None else {**item, "namespace": namespace}
 
@@ -544,7 +624,7 @@ class _Items:
         self._text: str | None = None
         self._message_id = ""
         #: The call whose arguments are streaming.
-        self._call_id = ""
+        self._call: Call | None = None
 
     def emit(self, deltas: list[Delta]) -> list[str]:
         out: list[str] = []
@@ -557,16 +637,24 @@ class _Items:
                                        output_index=index, content_index=0, delta=delta.text, logprobs=[]))
             elif delta.call is not None:
                 out += self._close_message("completed")
-                self._call_id = delta.call.id
+                self._call = delta.call
                 item = _call_item(delta.call, "in_progress", arguments="")
                 out.append(self._event("response.output_item.added", output_index=len(self.done), item=item))
-            elif delta.arguments:
-                out.append(self._event("response.function_call_arguments.delta", item_id=_item_id(self._call_id),
-                                       output_index=index, delta=delta.arguments))
+            elif delta.arguments and self._call is not None:
+                if self._call.custom:
+                    out.append(self._event("response.custom_tool_call_input.delta", item_id=_item_id(self._call),
+                                           output_index=index, delta=delta.arguments))
+                else:
+                    out.append(self._event("response.function_call_arguments.delta", item_id=_item_id(self._call),
+                                           output_index=index, delta=delta.arguments))
             elif delta.done is not None:
                 call = delta.done
-                out.append(self._event("response.function_call_arguments.done", item_id=_item_id(call.id),
-                                       output_index=index, arguments=call.arguments))
+                if call.custom:
+                    out.append(self._event("response.custom_tool_call_input.done", item_id=_item_id(call),
+                                           output_index=index, input=call.arguments))
+                else:
+                    out.append(self._event("response.function_call_arguments.done", item_id=_item_id(call),
+                                           output_index=index, arguments=call.arguments))
                 whole = _call_item(call, "completed")
                 out.append(self._event("response.output_item.done", output_index=index, item=whole))
                 self.done.append(whole)
@@ -618,5 +706,5 @@ class ResponsesAPI:
         job = to_job(body, scope_of(request))
         runs, _ = await self.generation.start_chat(job)
         fmt = ResponseFormat(self.generation.model_id, body, job.tool_names, job.constrained,
-                             self.generation.settings.default_temperature)
+                             self.generation.settings.default_temperature, job.custom_names)
         return await self.generation.respond_one(request, runs, job, fmt, body.stream)

@@ -6,7 +6,7 @@ import codecs
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from skippy_cache.runtime import DoneEvent, Explanation, FinishReason, Logprob, RequestStats, TokenLogprobs
 from skippy_cache.server.tools import Call, CallSplitter, Delta, split_reply
@@ -188,6 +188,8 @@ class CompletionFormat(_Envelope):
 
 
 def _tool_call(call: Call) -> dict:
+    if call.custom:
+        return {"id": call.id, "type": "custom", "custom": {"name": call.name, "input": call.arguments}}
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
@@ -199,11 +201,12 @@ class ChatFormat(_Envelope):
     """
 
     def __init__(self, model: str, system_fingerprint: str, *, logprobs: bool = False,
-                 tool_names: set[str] | None = None, incremental: bool = False,
-                 legacy_functions: bool = False) -> None:
+                 tool_names: set[str] | None = None, custom_names: frozenset[str] = frozenset(),
+                 incremental: bool = False, legacy_functions: bool = False) -> None:
         super().__init__(model, system_fingerprint, "chatcmpl")
         self.logprobs = logprobs
         self.tool_names = tool_names
+        self.custom_names = custom_names
         #: Stream calls as generated (`CallSplitter.incremental`: a grammar holds the reply to calls).
         self.incremental = incremental
         #: The request used `functions`: a call is `function_call` (one per reply), not `tool_calls`.
@@ -211,6 +214,7 @@ class ChatFormat(_Envelope):
         self._splitters: dict[int, CallSplitter] = {}
         self._calls: dict[int, list[Call]] = {}
         self._calls_done: dict[int, int] = {}
+        self._custom_open: dict[int, bool] = {}
 
     def call_ids(self, index: int) -> tuple[str, ...]:
         """The ids of the calls choice `index` returned (streamed or not)."""
@@ -224,7 +228,8 @@ class ChatFormat(_Envelope):
             message: dict = {"role": "assistant", "content": c.done.text, "refusal": None}
             reason = finish_reason(c.done.finish_reason)
             if self.tool_names is not None:
-                text, calls = split_reply(c.done.text, self.tool_names, incremental=self.incremental)
+                text, calls = split_reply(c.done.text, self.tool_names, incremental=self.incremental,
+                                          custom=self.custom_names)
                 self._calls[c.index] = calls
                 if calls:
                     message = {"role": "assistant", "content": text or None, "refusal": None}
@@ -279,7 +284,8 @@ class ChatFormat(_Envelope):
 
     def _splitter(self, index: int) -> CallSplitter:
         assert self.tool_names is not None
-        return self._splitters.setdefault(index, CallSplitter(self.tool_names, incremental=self.incremental))
+        return self._splitters.setdefault(index, CallSplitter(self.tool_names, incremental=self.incremental,
+                                                              custom=self.custom_names))
 
     def _tool_chunks(self, index: int, deltas: Sequence[Delta]) -> list[dict]:
         """Text as content deltas; a call as OpenAI streams one: id, type and name with empty
@@ -302,12 +308,15 @@ class ChatFormat(_Envelope):
                     chunks.append(self._chunk(index, {"function_call": {"arguments": delta.arguments}}, None))
                 continue
             if delta.call is not None:
-                head = {"index": number, "id": delta.call.id, "type": "function",
-                        "function": {"name": delta.call.name, "arguments": ""}}
+                head = {"index": number, **_tool_call(replace(delta.call, arguments=""))}
                 chunks.append(self._chunk(index, {"tool_calls": [head]}, None))
             elif delta.arguments:
-                chunks.append(self._chunk(index, {"tool_calls": [{"index": number, "function": {
-                    "arguments": delta.arguments}}]}, None))
+                # The fragment's call is the one started last (a custom call's input is its text).
+                key, field = ("custom", "input") if self._custom_open.get(index) else ("function", "arguments")
+                chunks.append(self._chunk(index, {"tool_calls": [{"index": number, key: {
+                    field: delta.arguments}}]}, None))
+            if delta.call is not None:
+                self._custom_open[index] = delta.call.custom
         return chunks
 
     def _chunk(self, index: int, delta: dict, reason: str | None, logprobs: dict | None = None) -> dict:

@@ -26,15 +26,18 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     PrivateAttr,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from skippy_cache.runtime import MAX_TOP_LOGPROBS, SamplingParams, json_grammar
+from skippy_cache.runtime import MAX_TOP_LOGPROBS, FreeText, SamplingParams, json_grammar
+from skippy_cache.server.errors import branch_tag
 
 #: The legacy completions API's default (OpenAI and vLLM).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -165,20 +168,78 @@ class FunctionSpec(Strict):
 
 
 def function_type_only(value: str) -> str:
-    """A tool's `type`: function tools only (OpenAI's `custom` tools have no JSON arguments to
-    constrain; web search and the like run on OpenAI's side)."""
+    """A tool's `type` where only functions are taken (Anthropic's tools; Responses' function tools,
+    whose other types have their own classes): web search and the like run on OpenAI's side."""
     if value != "function":
         raise ValueError(f"tool type {value!r} is not supported (only 'function')")
     return value
 
 
+class CustomGrammar(Strict):
+    """The grammar a custom tool's input follows: llguidance's Lark (close to OpenAI's, which is
+    also Lark) or a Rust `regex` pattern (OpenAI's syntax for regex too)."""
+
+    definition: str
+    syntax: Literal["lark", "regex"]
+
+
+class CustomFormat(Strict):
+    """A custom tool's input: any text, or text a grammar allows."""
+
+    type: Literal["text", "grammar"]
+    grammar: CustomGrammar | None = None
+
+    @model_validator(mode="after")
+    def _grammar_given(self) -> CustomFormat:
+        if (self.type == "grammar") != (self.grammar is not None):
+            raise ValueError("a 'grammar' is given with format type 'grammar', and only then")
+        return self
+
+    @property
+    def free_text(self) -> FreeText:
+        if self.grammar is None:
+            return FreeText("text")
+        return FreeText(self.grammar.syntax, self.grammar.definition)
+
+
+class CustomSpec(Strict):
+    """A custom (freeform) tool: the model writes its input as plain text, not JSON arguments."""
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    #: None: any text.
+    format: CustomFormat | None = None
+
+
 class ToolSpec(Strict):
-    """`tools[i]` of a chat completion."""
+    """`tools[i]` of a chat completion: a function, or a custom tool."""
 
     type: str
-    function: FunctionSpec
+    function: FunctionSpec | None = None
+    custom: CustomSpec | None = None
 
-    _function_only = field_validator("type")(function_type_only)
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, value: str) -> str:
+        if value not in ("function", "custom"):
+            raise ValueError(f"tool type {value!r} is not supported (only 'function' and 'custom')")
+        return value
+
+    @model_validator(mode="after")
+    def _spec_of_its_type(self) -> ToolSpec:
+        if (self.function is None) == (self.custom is None) or (self.custom is not None) != self.is_custom:
+            raise ValueError(f"a tool of type {self.type!r} has its spec under '{self.type}', and no other")
+        return self
+
+    @property
+    def is_custom(self) -> bool:
+        return self.type == "custom"
+
+    @property
+    def name(self) -> str:
+        spec = self.custom if self.custom is not None else self.function
+        assert spec is not None
+        return spec.name
 
 
 class NamedFunction(Strict):
@@ -186,10 +247,24 @@ class NamedFunction(Strict):
 
 
 class NamedToolChoice(Strict):
-    """`{"type": "function", "function": {"name": ...}}`: this tool, and no text."""
+    """`{"type": "function", "function": {"name": ...}}` or `{"type": "custom", "custom": {...}}`:
+    this tool, and no text."""
 
-    type: Literal["function"]
-    function: NamedFunction
+    type: Literal["function", "custom"]
+    function: NamedFunction | None = None
+    custom: NamedFunction | None = None
+
+    @model_validator(mode="after")
+    def _named_under_its_type(self) -> NamedToolChoice:
+        if (self.function if self.type == "function" else self.custom) is None:
+            raise ValueError(f"a tool choice of type {self.type!r} names its tool under '{self.type}'")
+        return self
+
+    @property
+    def name(self) -> str:
+        named = self.function if self.type == "function" else self.custom
+        assert named is not None
+        return named.name
 
 
 class CalledFunction(Strict):
@@ -198,12 +273,58 @@ class CalledFunction(Strict):
     arguments: str
 
 
-class ToolCall(Strict):
-    """An assistant message's `tool_calls[i]`, as a response gave it."""
+class CalledCustom(Strict):
+    name: str
+    #: The input text as the server returned it.
+    input: str
+
+
+class FunctionToolCall(Strict):
+    """An assistant message's `tool_calls[i]` of a function, as a response gave it."""
 
     id: str
     type: Literal["function"]
     function: CalledFunction
+
+    is_custom: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return self.function.name
+
+    @property
+    def payload(self) -> str:
+        """The arguments' JSON text."""
+        return self.function.arguments
+
+
+class CustomToolCall(Strict):
+    """An assistant message's `tool_calls[i]` of a custom tool, as a response gave it."""
+
+    id: str
+    type: Literal["custom"]
+    custom: CalledCustom
+
+    is_custom: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        return self.custom.name
+
+    @property
+    def payload(self) -> str:
+        """The input text."""
+        return self.custom.input
+
+
+def _call_kind(call: Any) -> str:
+    """Custom calls apart; every other type goes to the function call, whose error names the type."""
+    custom = (call.get("type") if isinstance(call, dict) else getattr(call, "type", None)) == "custom"
+    return branch_tag("custom" if custom else "function")
+
+
+ToolCall = Annotated[Annotated[FunctionToolCall, Tag(branch_tag("function"))]
+                     | Annotated[CustomToolCall, Tag(branch_tag("custom"))], Discriminator(_call_kind)]
 
 
 class _GenerationFields(Strict):
@@ -404,7 +525,7 @@ class ChatCompletionRequest(_GenerationFields):
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, tools: list[ToolSpec] | None) -> list[ToolSpec] | None:
-        names = [tool.function.name for tool in tools or ()]
+        names = [tool.name for tool in tools or ()]
         if len(set(names)) != len(names):
             raise ValueError("two tools have the same name")
         return tools
@@ -416,15 +537,15 @@ class ChatCompletionRequest(_GenerationFields):
         if choice == "required" or isinstance(choice, NamedToolChoice):
             if not tools:
                 raise ValueError("a tool choice other than 'none' or 'auto' needs 'tools'")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
-            raise ValueError(f"the tool {choice.function.name!r} is not among 'tools'")
+        if isinstance(choice, NamedToolChoice) and (choice.name, choice.type) not in {(t.name, t.type) for t in tools}:
+            raise ValueError(f"the {choice.type} tool {choice.name!r} is not among 'tools'")
         return choice
 
     @property
     def tool_mode(self) -> str:
         """none, auto, required, or the named tool's name."""
         if isinstance(self.tool_choice, NamedToolChoice):
-            return self.tool_choice.function.name
+            return self.tool_choice.name
         return self.tool_choice or ("auto" if self.tools else "none")
     #: Each output token's logprob (`choices[].logprobs.content`), with `top_logprobs` alternatives.
     logprobs: bool | None = None
@@ -519,7 +640,7 @@ def _legacy_history(messages: list[ChatMessage]) -> list[ChatMessage]:
     for k, message in enumerate(messages):
         if message.function_call is not None:
             last_call = f"call_{k}"
-            call = ToolCall(id=last_call, type="function", function=message.function_call)
+            call = FunctionToolCall(id=last_call, type="function", function=message.function_call)
             message = message.model_copy(update={"function_call": None, "tool_calls": [call]})
         elif message.role == "function":
             if last_call is None:

@@ -2,9 +2,12 @@
 grammar of a call, and a reply split into text and calls.
 
 One call syntax, Hermes style (what Qwen 2.5/3 and the Hermes models are trained on): each call a
-`<tool_call>` block holding `{"name": ..., "arguments": ...}`. A template that renders tools in
-that syntax itself (`ChatFormatter.caps`) gets the messages as they are. Every other template
-gets the fallback: the tools' JSON schemas in a `<tools>` block at the end of the system
+`<tool_call>` block holding `{"name": ..., "arguments": ...}`. A custom (freeform) tool's call is
+its name alone, `{"name": ...}`, on the block's first line, then its input as plain text up to
+the closing tag: text a user's grammar may allow (a patch, say) is written as it is, not escaped
+into a JSON string that grammar could not hold. A template that renders tools in that syntax
+itself (`ChatFormatter.caps`) gets the messages as they are, unless custom tools are involved
+(no template knows them). Every other request gets the fallback: the tools' JSON schemas in a `<tools>` block at the end of the system
 message, past calls as their assistant message's text, and each result a `<tool_response>`
 block in a user turn (every chat template knows the user role; not every one knows `tool`).
 
@@ -23,8 +26,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from skippy_cache.runtime import literal_json_grammar
-from skippy_cache.server.schemas import ChatMessage, ToolSpec
+from skippy_cache.runtime import FreeText, literal_json_grammar
+from skippy_cache.server.schemas import ChatMessage, ToolCall, ToolSpec
 
 OPEN = "<tool_call>\n"
 CLOSE = "\n</tool_call>"
@@ -44,10 +47,20 @@ TOOLS_CALL_FORMAT = (
     "with its name and arguments, one block per call:\n"
     '<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
 )
+#: Added to `TOOLS_CALL_FORMAT` when custom tools are offered (and only then: the prompts of
+#: requests without them stay what they were).
+CUSTOM_CALL_FORMAT = (
+    "\nTo call a custom tool, write its name, then its input as plain text (in the format the tool "
+    'gives, if any), not as JSON:\n<tool_call>\n{"name": <custom tool name>}\n<input>\n</tool_call>'
+)
 
 
 def _call_head(name: str) -> str:
     return f'{OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+
+
+def _custom_head(name: str) -> str:
+    return f'{OPEN}{{"name": {json.dumps(name, ensure_ascii=False)}}}\n'
 
 
 def call_text(name: str, arguments: str) -> str:
@@ -55,11 +68,28 @@ def call_text(name: str, arguments: str) -> str:
     return f"{_call_head(name)}{arguments}}}{CLOSE}"
 
 
+def custom_call_text(name: str, text: str) -> str:
+    """One custom tool's call, its input `text` as it is."""
+    return f"{_custom_head(name)}{text}{CLOSE}"
+
+
+def _written(call: ToolCall) -> str:
+    return custom_call_text(call.name, call.payload) if call.is_custom else call_text(call.name, call.payload)
+
+
+def uses_custom(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]) -> bool:
+    """Custom tools are offered, or were called: the tools are rendered by the fallback then."""
+    return any(t.is_custom for t in tools) or any(c.is_custom for m in messages for c in m.tool_calls or ())
+
+
 def tools_block(tools: Sequence[ToolSpec]) -> str:
-    """The system message's addition: every tool's schema, one JSON object a line, in the given order."""
-    lines = [json.dumps({"type": "function", "function": t.function.model_dump(exclude_none=True)},
+    """The system message's addition: every tool's schema (a custom tool's spec), one JSON object a
+    line, in the given order."""
+    lines = [json.dumps(t.model_dump(exclude_none=True) if t.is_custom else
+                        {"type": "function", "function": t.function.model_dump(exclude_none=True)},  # type: ignore[union-attr]
                         ensure_ascii=False) for t in tools]
-    return TOOLS_PREAMBLE + "\n".join(lines) + TOOLS_CALL_FORMAT
+    custom = CUSTOM_CALL_FORMAT if any(t.is_custom for t in tools) else ""
+    return TOOLS_PREAMBLE + "\n".join(lines) + TOOLS_CALL_FORMAT + custom
 
 
 def render_messages(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec],
@@ -80,7 +110,7 @@ def render_messages(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec],
                 out.append(message)
                 continue
             if text is None:
-                calls = BETWEEN.join(call_text(c.function.name, c.function.arguments) for c in message.tool_calls)
+                calls = BETWEEN.join(_written(c) for c in message.tool_calls)
                 text = f"{message.content}{BETWEEN}{calls}" if message.content else calls
             message = message.model_copy(update={"content": text, "tool_calls": None})
         elif message.role == "tool" and not native:
@@ -102,12 +132,16 @@ def _replayed(message: ChatMessage, reply: str | None) -> str | None:
     if reply is None:
         return None
     calls = message.tool_calls or []
-    text, parsed = split_reply(reply, {c.function.name for c in calls})
+    text, parsed = split_reply(reply, {c.name for c in calls if not c.is_custom},
+                               custom=frozenset(c.name for c in calls if c.is_custom))
     if text.strip() != (message.content or "").strip() or len(parsed) != len(calls):
         return None
     for said, made in zip(calls, parsed, strict=True):
+        if said.name != made.name or said.is_custom != made.custom:
+            return None
         try:
-            same = said.function.name == made.name and json.loads(said.function.arguments) == json.loads(made.arguments)
+            same = said.payload == made.arguments if made.custom else \
+                json.loads(said.payload) == json.loads(made.arguments)
         except json.JSONDecodeError:
             return None
         if not same:
@@ -120,20 +154,31 @@ def call_grammar(tools: Sequence[ToolSpec], mode: str, parallel: bool) -> str:
     `parallel`, several; for auto, one call of any tool from just after its opening tag (a lazy
     grammar, switched on by `TRIGGER`). ValueError names a tool whose schema does not
     compile."""
-    chosen = [t for t in tools if mode in ("required", "auto") or t.function.name == mode]
+    chosen = [t for t in tools if mode in ("required", "auto") or t.name == mode]
     # Under auto the opening tag is already out when the grammar starts.
     cut = len(TRIGGER) if mode == "auto" else 0
-    alternatives = [(f"the parameters of tool {t.function.name!r}", _call_head(t.function.name)[cut:],
-                     t.function.parameters or {"type": "object"}, "}" + CLOSE) for t in chosen]
+    alternatives = [_alternative(t, cut) for t in chosen]
     return literal_json_grammar(alternatives, repeat_with=BETWEEN if parallel and mode != "auto" else None)
+
+
+def _alternative(tool: ToolSpec, cut: int) -> tuple[str, str, dict | FreeText, str]:
+    if tool.custom is not None:
+        fmt = tool.custom.format
+        return (f"the format of custom tool {tool.name!r}", _custom_head(tool.name)[cut:],
+                fmt.free_text if fmt is not None else FreeText("text"), CLOSE)
+    assert tool.function is not None
+    return (f"the parameters of tool {tool.name!r}", _call_head(tool.name)[cut:],
+            tool.function.parameters or {"type": "object"}, "}" + CLOSE)
 
 
 @dataclass(frozen=True)
 class Call:
     id: str
     name: str
-    #: The arguments' JSON text as generated (re-rendered as is by the next turn).
+    #: The arguments' JSON text as generated (re-rendered as is by the next turn); a custom
+    #: tool's input text.
     arguments: str
+    custom: bool = False
 
 
 def _parse_block(body: str, names: set[str], id_prefix: str) -> Call | None:
@@ -166,6 +211,8 @@ class Delta:
 
 #: After a call's opening tag: `{"name": "<name>", "arguments": ` as the grammar writes it.
 _HEAD = re.compile(r'\s*\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+#: After a custom call's opening tag: `{"name": "<name>"}` and a line break.
+_CUSTOM_HEAD = re.compile(r'\s*\{"name": ("(?:[^"\\]|\\.)*")\}\n')
 #: What may follow a call's arguments: the object's closing brace, then the closing tag.
 _TAIL = re.compile(r"\}\s*$")
 
@@ -188,6 +235,8 @@ class CallSplitter:
     #: How the calls' ids start (`call_` for OpenAI, `toolu_` for Anthropic).
     id_prefix: str = "call_"
     incremental: bool = False
+    #: Custom tools: a call's input is the text between its name and the closing tag.
+    custom: frozenset[str] = frozenset()
     _buffer: str = ""
     _held: str = ""
     _in_call: bool = False
@@ -218,7 +267,8 @@ class CallSplitter:
                     out.append(self._close_call())
                     continue
                 match = _BLOCK.fullmatch(block)
-                call = _parse_block(match.group(1), self.names, self.id_prefix) if match else None
+                call = self._parse_custom(block) or (
+                    _parse_block(match.group(1), self.names, self.id_prefix) if match else None)
                 if call is None:
                     self._held = before
                     out += self._text(block, hold_trailing=True)
@@ -258,21 +308,18 @@ class CallSplitter:
         out to be the closing brace and whitespace; with `final`, the arguments end there."""
         out: list[Delta] = []
         if self._open is None:
-            head = _HEAD.match(block, len(_OPEN_TAG))
-            if head is None:
+            self._open, self._args_at = self._head(block)
+            if self._open is None:
                 return out
-            try:
-                name = json.loads(head.group(1))
-            except json.JSONDecodeError:
-                return out
-            if name not in self.names:
-                return out
-            self._open = Call(f"{self.id_prefix}{uuid.uuid4().hex[:24]}", name, "")
-            self._args_at, self._sent = head.end(), 0
+            self._sent = 0
             out.append(Delta(call=self._open))
         region = block[self._args_at:]
         tail = _TAIL.search(region)
-        if final:
+        if self._open.custom:
+            # The input ends before the line break that precedes the closing tag; until the tag
+            # is out, what may be its start is held.
+            ready = region.removesuffix("\n") if final else region[: len(region) - _tag_start(region)]
+        elif final:
             ready = region[: tail.start()] if tail else region
         else:
             # From the last brace on, what may be the object's end and the start of the closing
@@ -284,6 +331,31 @@ class CallSplitter:
             self._open = replace(self._open, arguments=ready)
             self._sent = len(ready)
         return out
+
+    def _head(self, block: str) -> tuple[Call | None, int]:
+        """The call a block (from its opening tag) starts, once its name is out, and where its
+        arguments (a custom call's input) start."""
+        for pattern, names, custom in ((_HEAD, self.names, False), (_CUSTOM_HEAD, self.custom, True)):
+            head = pattern.match(block, len(_OPEN_TAG))
+            if head is None:
+                continue
+            try:
+                name = json.loads(head.group(1))
+            except json.JSONDecodeError:
+                continue
+            if name in names:
+                return Call(f"{self.id_prefix}{uuid.uuid4().hex[:24]}", name, "", custom), head.end()
+        return None, 0
+
+    def _parse_custom(self, block: str) -> Call | None:
+        """A whole block's custom call: its input as written, but for the line break before the tag."""
+        if not self.custom:
+            return None
+        call, at = self._head(block)
+        if call is None or not call.custom:
+            return None
+        body = block[at: len(block) - len(_CLOSE_TAG)]
+        return replace(call, arguments=body.removesuffix("\n"))
 
     def _close_call(self) -> Delta:
         assert self._open is not None
@@ -304,9 +376,14 @@ class CallSplitter:
         return [Delta(text=body)] if body else []
 
 
-def split_reply(text: str, names: set[str], id_prefix: str = "call_",
-                incremental: bool = False) -> tuple[str, list[Call]]:
+def _tag_start(text: str) -> int:
+    """How long the end of `text` is that may begin the closing tag, with its line break."""
+    return next((k for k in range(min(len(CLOSE) - 1, len(text)), 0, -1) if CLOSE.startswith(text[-k:])), 0)
+
+
+def split_reply(text: str, names: set[str], id_prefix: str = "call_", incremental: bool = False, *,
+                custom: frozenset[str] = frozenset()) -> tuple[str, list[Call]]:
     """A whole reply's text (what is not a call) and its calls, as `CallSplitter` streams them."""
-    splitter = CallSplitter(names, id_prefix, incremental)
+    splitter = CallSplitter(names, id_prefix, incremental, custom)
     deltas = splitter.feed(text) + splitter.finish()
     return "".join(d.text for d in deltas), splitter.calls
