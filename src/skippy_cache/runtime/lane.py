@@ -97,12 +97,6 @@ class Lane:
     def prompt(self) -> list[int]:
         return self.handle.request.tokens
 
-    @classmethod
-    def for_lookup(cls, request: GenerationRequest) -> Lane:
-        """A lane that never runs: what `PrefixCache.name` and `plan` need to explain a lookup."""
-        return cls(seq_id=-1, handle=RequestHandle(request), sink=_discard, sampler=None,  # type: ignore[arg-type]
-                   stream=None, reserve=0, t_submit=0.0)  # type: ignore[arg-type]
-
     @property
     def prefill_end(self) -> int:
         """Everything but the last prompt token, which is decoded for the logits of the first token:
@@ -147,6 +141,3 @@ class Lane:
             restore_ms=self.restore_ms,
         )
 
-
-def _discard(_event: object) -> None:
-    pass

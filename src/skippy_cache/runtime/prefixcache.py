@@ -42,6 +42,7 @@ from blake3 import blake3
 
 from skippy_cache.config import PrefixCandidatePolicy, StageKvCacheMode
 from skippy_cache.exact import Kernels, rows_key
+from skippy_cache.exact import kernels as kernels_of
 from skippy_cache.family import Family, Memory
 from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_identities, prefix_identity
 from skippy_cache.misses import MissBook, age_bucket, lengths
@@ -109,6 +110,53 @@ class TenantFigures:
     stored_pages: int = 0
 
 
+def request_kernels(request: GenerationRequest) -> Kernels:
+    """The kernels the request's rows are computed with (exact.py), as its lane would have them."""
+    return kernels_of(len(request.tokens) - 1, request.replies)
+
+
+@dataclass(slots=True)
+class PromptNames:
+    """A prompt as the prefix cache names it (`PrefixCache.names`): its space, and the identities
+    its lookup and its records use, none below `min_tokens` or where nothing is looked up or
+    recorded. A lane carries the same fields."""
+
+    request: GenerationRequest
+    kernels: Kernels
+    space: Hashable
+    prompt_identity: PrefixIdentity | None = None
+    chunk_ids: tuple[PrefixIdentity, ...] = ()
+    tail_ids: tuple[PrefixIdentity, ...] = ()
+
+    @property
+    def prefill_end(self) -> int:
+        return len(self.request.tokens) - 1
+
+
+#: What `PrefixCache.plan` looks a prompt up by: a lane once named, or a prompt's names.
+Named = Lane | PromptNames
+
+
+@dataclass(slots=True)
+class EntryMeta:
+    """What the prefix cache knows of one entry it recorded, beside its cells and its index: what
+    its chunks are named by when it leaves (`space`, `tokens`), and what the store is told when it
+    is exported (`StateStore.put`)."""
+
+    space: Hashable
+    tokens: list[int]
+    #: The recording request's tenant (`GenerationRequest.tenant`): counted, cleared and held to a
+    #: share of the pool per tenant.
+    owner: str | None
+    #: Leading tokens the recording request reused (its hit): the shared tier keeps those chunks
+    #: longer (sharedorder.py).
+    hit_tokens: int
+    #: Where its state may go (`GenerationRequest.keep`).
+    keep: Keep = Keep.ALL
+    #: Reused at least once: its chunks belong on disk when it leaves.
+    reused: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class Explanation:
     """What a request would reuse now (`PrefixCache.explain`): the fields of a response's `skippy_cache`."""
@@ -164,41 +212,40 @@ class PrefixCache:
         self.misses = MissBook()
         #: Prefixes by prompt tokens their hits saved (the dashboard's top list), bounded.
         self.savings = Savings()
-        #: Resident pages' space and tokens: what their chunks are named by when they leave.
-        self._entries: dict[PageId, tuple[Hashable, list[int]]] = {}
-        #: Resident pages' tenants (`GenerationRequest.tenant`): counted, cleared and held to a
-        #: share of the pool per tenant.
-        self._owners: dict[PageId, str | None] = {}
-        #: Leading tokens the request that recorded each entry reused (its hit): the shared tier keeps
-        #: those chunks longer (sharedorder.py).
-        self._hit_tokens: dict[PageId, int] = {}
-        #: Resident pages whose request limits where they may go (`GenerationRequest.keep`); others: anywhere.
-        self._keep: dict[PageId, Keep] = {}
+        #: What this cache knows of each entry it recorded, beside its cells (the resident books)
+        #: and its index (`tiers`): one record, made by `_record` and dropped by `_forget`.
+        self._meta: dict[PageId, EntryMeta] = {}
         #: Past this many tokens in its entries, a tenant's entries leave the pool first (0: no share).
         self.tenant_share_tokens = 0
-        #: Resident pages waiting to be exported: reused ones (for an idle engine), and with a
-        #: shared tier every new one (one per step).
+        #: Resident pages waiting to be exported, in the order they were queued: reused ones (for
+        #: an idle engine), and with a shared tier every new one (one per step).
         self._to_persist: dict[PageId, None] = {}
-        #: Resident pages reused at least once: their chunks belong on disk when they leave.
-        self._reused: set[PageId] = set()
 
     # -- a new lane: plan -> apply -> settle ---------------------------------------
 
     def name(self, lane: Lane) -> None:
         """Hash the lane's prompt once: its space, and the identities its lookup and records use."""
-        request = lane.request
-        lane.space = self.identity_key.with_namespace(request.namespace)
-        if not ((self.mode.looks_up and request.lookup) or (self.mode.records and request.record)):
-            return  # nothing to look up or record: no hashing
-        if len(request.tokens) >= max(self.tiers.min_tokens, 1):
-            kernels = lane.kernels if self.deterministic else None
-            lane.prompt_identity = self._whole_identity(request, kernels)
-            if self.store is not None:
-                prefix = request.tokens[: lane.prefill_end]
-                lane.chunk_ids = self.store.chunk_identities(lane.space, prefix, kernels)
-                lane.tail_ids = self.store.identities_at(lane.space, prefix, self._tail_ends(lane), kernels)
+        names = self.names(lane.request, lane.kernels)
+        lane.space, lane.prompt_identity = names.space, names.prompt_identity
+        lane.chunk_ids, lane.tail_ids = names.chunk_ids, names.tail_ids
 
-    def _tail_ends(self, lane: Lane) -> list[int]:
+    def names(self, request: GenerationRequest, kernels: Kernels | None = None) -> PromptNames:
+        """The request's prompt as this cache names it (pure hashing): what `name` puts on a lane,
+        and what `plan` takes for a prompt no lane runs (an explain, a prefetch)."""
+        kernels = kernels if kernels is not None else request_kernels(request)
+        names = PromptNames(request, kernels, self.identity_key.with_namespace(request.namespace))
+        if not ((self.mode.looks_up and request.lookup) or (self.mode.records and request.record)):
+            return names  # nothing to look up or record: no hashing
+        if len(request.tokens) >= max(self.tiers.min_tokens, 1):
+            steer = kernels if self.deterministic else None
+            names.prompt_identity = self._whole_identity(request, steer)
+            if self.store is not None:
+                prefix = request.tokens[: names.prefill_end]
+                names.chunk_ids = self.store.chunk_identities(names.space, prefix, steer)
+                names.tail_ids = self.store.identities_at(names.space, prefix, self._tail_ends(names), steer)
+        return names
+
+    def _tail_ends(self, lane: Named) -> list[int]:
         """Where an entry of another request that shares the prompt's start would end, off the chunk
         grid: at the end of one of the replies the prompt resends, or at one of its `prefix_ends`.
 
@@ -214,7 +261,7 @@ class PrefixCache:
             ends.update(self.policy.candidate_token_counts(lane.prefill_end))
         return self._off_grid(lane, ends.union(lane.request.prefix_ends), lane.prefill_end)
 
-    def _off_grid(self, lane: Lane, ends: Iterable[int], limit: int) -> list[int]:
+    def _off_grid(self, lane: Named, ends: Iterable[int], limit: int) -> list[int]:
         """The `ends` up to `limit` that a lookup by name may stop at but no whole chunk ends at.
 
         In deterministic mode a lookup may resume only where the prompt's own
@@ -247,11 +294,10 @@ class PrefixCache:
         store = self.store
         if store is None or store.remote is None or not (self.mode.looks_up and request.lookup):
             return None
-        lane = Lane.for_lookup(request)
-        self.name(lane)
-        if lane.prompt_identity is None:
+        names = self.names(request)
+        if names.prompt_identity is None:
             return None  # below min_tokens: nothing is looked up
-        return store.prefetch(lane.chunk_ids, lane.prompt_identity, lane.tail_ids, fetch=fetch)
+        return store.prefetch(names.chunk_ids, names.prompt_identity, names.tail_ids, fetch=fetch)
 
     def explain(self, request: GenerationRequest, remote: Prefetched | None = None) -> Explanation:
         """What the request would reuse right now, from where, and why not more; changes nothing.
@@ -260,8 +306,7 @@ class PrefixCache:
         asked off the engine thread). Running lanes are not looked at: a
         request sent now may also share the cells another is prefilling.
         """
-        lane = Lane.for_lookup(request)
-        self.name(lane)
+        lane = self.names(request)
         hit = self.plan(lane)
         if hit.source in (Source.RAM, Source.DISK) and not self.costs.restore_wins(hit.source):
             hit = Hit.miss(Why.RESTORE_SLOWER)
@@ -272,16 +317,17 @@ class PrefixCache:
             if length > hit.length:
                 why = Why.EXACT_REPEAT if remote.whole else reuse_why(length, lane.prefill_end)
                 hit = Hit(Source.REMOTE, None, length, why)
+        evicted_ago = None
         if hit.why in (Why.NEVER_SEEN, Why.DIVERGED):
-            hit = self._explain_miss(hit, lane)
+            hit, evicted_ago = self._explain_miss(hit, lane)
         miss = None if hit.why in (Why.EXACT_REPEAT, Why.ALL_BUT_LAST) else hit.why.value
-        return Explanation(hit.source.value, hit.length, len(request.tokens), told(miss), lane.evicted_ago)
+        return Explanation(hit.source.value, hit.length, len(request.tokens), told(miss), evicted_ago)
 
     def looks_up(self, lane: Lane) -> bool:
         """The lane may share cells computed for another request: a lookup the request allows."""
         return self.mode.looks_up and lane.request.lookup
 
-    def plan(self, lane: Lane) -> Hit:
+    def plan(self, lane: Named) -> Hit:
         """What the lane would reuse, from where, and why not more. Changes nothing.
 
         A sliding-window model reuses a leading part of a resident entry only
@@ -308,7 +354,7 @@ class PrefixCache:
         # The next position attends to the `n_swa - 1` positions before it.
         return self.pool.ctx.seq_pos_min(entry.seq_id) <= max(hit.length - self.family.n_swa + 1, 0)
 
-    def _query(self, lane: Lane) -> Query:
+    def _query(self, lane: Named) -> Query:
         request = lane.request
         prefix = request.tokens[: lane.prefill_end]
         refused = self._refusal(request)
@@ -343,7 +389,7 @@ class PrefixCache:
             entry = self.tiers.resident.touch(hit.page_id)
             assert entry is not None, f"planned resident page {hit.page_id} is gone"
             self.pool.copy(entry.seq_id, lane.seq_id, hit.length)
-            self._reused.add(hit.page_id)
+            self._mark_reused(hit.page_id)
             if self.store is not None and hit.page_id not in self.store:
                 self._to_persist[hit.page_id] = None
         elif hit.page_id is not None and self.store is not None:
@@ -360,7 +406,7 @@ class PrefixCache:
     def settle(self, hit: Hit, lane: Lane) -> None:
         """Count the lookup once, note on the lane what it reused and why not more, and plan its records."""
         if hit.why in (Why.NEVER_SEEN, Why.DIVERGED):
-            hit = self._explain_miss(hit, lane)
+            hit, lane.evicted_ago = self._explain_miss(hit, lane)
         lane.cache_source = hit.source.value
         lane.miss_reason = None if hit.why in (Why.EXACT_REPEAT, Why.ALL_BUT_LAST) else hit.why.value
         c = self.counters
@@ -490,11 +536,8 @@ class PrefixCache:
             self.tiers.logits[prefix.page_id] = logits
         resident.commit_record(prefix.page_id, allocation.seq_id, n, nbytes)
         self.tiers.file(prefix.page_id, lane.space, entry_tokens, lane.kernels if self.deterministic else None)
-        self._entries[prefix.page_id] = (lane.space, entry_tokens)
-        self._owners[prefix.page_id] = lane.request.tenant
-        self._hit_tokens[prefix.page_id] = lane.cached_tokens
-        if lane.request.keep is not Keep.ALL:
-            self._keep[prefix.page_id] = lane.request.keep
+        self._meta[prefix.page_id] = EntryMeta(lane.space, entry_tokens, lane.request.tenant, lane.cached_tokens,
+                                               lane.request.keep)
         self._book_recorded(lane.space, lane.request, entry_tokens)
         self.counters.records += 1
         if lane.request.pin and prefix is lane.prompt_identity:
@@ -527,7 +570,7 @@ class PrefixCache:
         resident = self.tiers.resident
         if request is None:
             return resident.unpin_all()
-        kernels = Lane.for_lookup(request).kernels if self.deterministic else None
+        kernels = request_kernels(request) if self.deterministic else None
         return int(resident.unpin(self._whole_identity(request, kernels).page_id))
 
     # -- the pool's cells ------------------------------------------------------------
@@ -555,7 +598,7 @@ class PrefixCache:
         if not past:
             return False
         resident = self.tiers.resident
-        seqs = {e.seq_id for e in resident.entries() if self._owners.get(e.page_id) in past}
+        seqs = {e.seq_id for e in resident.entries() if self._owner(e.page_id) in past}
         return self.evict_where(seqs.__contains__)
 
     def _resident_figures(self) -> dict[str | None, TenantFigures]:
@@ -563,7 +606,7 @@ class PrefixCache:
         prompt's entries at several lengths share their cells, which count once."""
         seqs: dict[str | None, list[int]] = {}
         for entry in self.tiers.resident.entries():
-            seqs.setdefault(self._owners.get(entry.page_id), []).append(entry.seq_id)
+            seqs.setdefault(self._owner(entry.page_id), []).append(entry.seq_id)
         return {tenant: TenantFigures(entries=len(held), tokens=self.pool.cells.cells_held(held))
                 for tenant, held in seqs.items()}
 
@@ -579,7 +622,7 @@ class PrefixCache:
         """Drop one tenant's resident entries (pinned ones too) and its pages in the store, chunks and
         all; how many resident entries went."""
         resident = self.tiers.resident
-        pages = {page_id for page_id, owner in self._owners.items() if owner == tenant}
+        pages = {page_id for page_id, meta in self._meta.items() if meta.owner == tenant}
         seqs = {e.seq_id for e in resident.entries() if e.page_id in pages}
         for page_id in pages:
             resident.unpin(page_id)
@@ -635,7 +678,6 @@ class PrefixCache:
             for page_id in self.store.clear():
                 self.tiers.forget_if_gone(page_id)
         self._to_persist.clear()
-        self._reused.clear()
         evicted = self.tiers.resident.clear(self._drop)
         self._forget(evicted)
         return len(evicted)
@@ -655,6 +697,11 @@ class PrefixCache:
 
     def check_invariants(self) -> None:
         self.tiers.check_invariants()
+        # One record per resident entry, none left behind by an eviction: a leftover would keep a
+        # tenant's figures and the miss book's ghosts wrong for ever.
+        resident = {entry.page_id for entry in self.tiers.resident.entries()}
+        assert set(self._meta) == resident, (sorted(set(self._meta) ^ resident)[:4], len(resident))
+        assert set(self._to_persist) <= resident, sorted(set(self._to_persist) - resident)[:4]
 
     # -- internals -------------------------------------------------------------------
 
@@ -667,19 +714,18 @@ class PrefixCache:
             return Why.BELOW_MIN_TOKENS
         return None
 
-    def _explain_miss(self, hit: Hit, lane: Lane) -> Hit:
-        """What the plan could not tell: a longer prefix that was cached and left, or the same tokens
-        recorded under another namespace."""
+    def _explain_miss(self, hit: Hit, lane: Named) -> tuple[Hit, str | None]:
+        """What the plan could not tell: a longer prefix that was cached and left (and how long
+        ago), or the same tokens recorded under another namespace."""
         tokens = lane.request.tokens
         evicted = self.misses.evicted(self._booked_ids(lane.space, tokens), hit.length)
         if evicted is not None:
-            lane.evicted_ago = age_bucket(time.monotonic() - evicted.at)
-            return replace(hit, why=Why.EVICTED)
+            return replace(hit, why=Why.EVICTED), age_bucket(time.monotonic() - evicted.at)
         unsalted = self._booked_ids(self.identity_key.with_namespace(None), tokens)
         length, same_tenant = self.misses.other_namespace(unsalted, _scope(lane.request), hit.length)
         if length:
-            return replace(hit, why=Why.NAMESPACE if same_tenant else Why.TENANT)
-        return hit
+            return replace(hit, why=Why.NAMESPACE if same_tenant else Why.TENANT), None
+        return hit, None
 
     def _book_recorded(self, space: Hashable, request: GenerationRequest, tokens: Sequence[int]) -> None:
         """A prefix was recorded: it is no longer a ghost, and its tokens are booked under its namespace."""
@@ -745,7 +791,7 @@ class PrefixCache:
             self.pool.trim(lane.seq_id, fetched.length)
         if entry is not None:
             self.pool.copy(entry.seq_id, lane.seq_id, fetched.start)
-            self._reused.add(entry.page_id)
+            self._mark_reused(entry.page_id)
         ms = (time.perf_counter() - t0) * 1000
         lane.restore_ms += ms
         self.costs.restored(fetched.source, fetched.cells, ms)
@@ -778,15 +824,11 @@ class PrefixCache:
 
     def _persist(self, page_id: PageId, seq_id: int) -> None:
         store = self.store
-        if store is None or page_id in store or page_id not in self._entries:
+        meta = self._meta.get(page_id)
+        if store is None or page_id in store or meta is None or meta.keep is Keep.NONE:
             return
-        keep = self._keep.get(page_id, Keep.ALL)
-        if keep is Keep.NONE:
-            return
-        space, tokens = self._entries[page_id]
-        self._put(page_id, space, tokens, seq_id, self.tiers.logits.get(page_id), durable=page_id in self._reused,
-                  kernels=self.tiers.kernels.get(page_id), owner=self._owners.get(page_id), keep=keep,
-                  reused=self._hit_tokens.get(page_id, 0))
+        self._put(page_id, meta.space, meta.tokens, seq_id, self.tiers.logits.get(page_id), durable=meta.reused,
+                  kernels=self.tiers.kernels.get(page_id), owner=meta.owner, keep=meta.keep, reused=meta.hit_tokens)
         self._forget_store_pages(store.prune())
 
     def _put(
@@ -852,15 +894,20 @@ class PrefixCache:
         remembers them as ghosts."""
         now = time.monotonic()
         for eviction in evictions:
-            entry = self._entries.pop(eviction.page_id, None)
-            self._owners.pop(eviction.page_id, None)
-            self._hit_tokens.pop(eviction.page_id, None)
-            self._keep.pop(eviction.page_id, None)
-            if entry is not None:
-                self.misses.left(self._booked_ids(*entry).values(), now)
+            meta = self._meta.pop(eviction.page_id, None)
+            if meta is not None:
+                self.misses.left(self._booked_ids(meta.space, meta.tokens).values(), now)
             self._to_persist.pop(eviction.page_id, None)
-            self._reused.discard(eviction.page_id)
             self.tiers.forget_if_gone(eviction.page_id)
+
+    def _owner(self, page_id: PageId) -> str | None:
+        meta = self._meta.get(page_id)
+        return meta.owner if meta is not None else None
+
+    def _mark_reused(self, page_id: PageId) -> None:
+        meta = self._meta.get(page_id)
+        if meta is not None:
+            meta.reused = True
 
 
 def _namespace_digest(namespace: str | None) -> str:

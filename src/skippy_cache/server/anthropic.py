@@ -35,7 +35,8 @@ from skippy_cache.runtime import (
 )
 from skippy_cache.server.bridge import EngineRuns
 from skippy_cache.server.errors import APIError, anthropic_error_body
-from skippy_cache.server.generation import Generation, parse_body, sse_event
+from skippy_cache.server.generation import Generation
+from skippy_cache.server.http import parse_body, sse_event
 from skippy_cache.server.jobs import ChatJob, scoped
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (

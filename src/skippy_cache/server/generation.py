@@ -5,13 +5,11 @@ of /v1/cache/explain and /v1/cache/unpin, tokenized the same way."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol, TypeVar
+from typing import Protocol
 
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -29,7 +27,8 @@ from skippy_cache.runtime import (
 )
 from skippy_cache.server.bridge import EngineRun, EngineRuns, cancel_on_disconnect
 from skippy_cache.server.chat import ChatFormatter
-from skippy_cache.server.errors import APIError, error_body, from_engine_error, from_validation_errors
+from skippy_cache.server.errors import APIError, error_body, from_engine_error
+from skippy_cache.server.http import SSE_HEADERS, parse_body, sse_event
 from skippy_cache.server.jobs import ChatJob, Job, scoped
 from skippy_cache.server.limits import RequestLimits, TenantRequests
 from skippy_cache.server.metrics import ServerMetrics
@@ -40,24 +39,19 @@ from skippy_cache.server.responses import (
     ChatFormat,
     Choice,
     CompletionFormat,
-    ResponseFormat,
+    OpenAIFormat,
     explanation_answer,
 )
 from skippy_cache.server.schemas import (
     CacheQuery,
     ChatCompletionRequest,
     CompletionRequest,
-    Strict,
     UnpinRequest,
 )
 from skippy_cache.server.settings import ServerSettings
 from skippy_cache.server.tenants import Scope, caller_of, scope_of
 from skippy_cache.server.tools import TRIGGER, call_grammar, render_messages, uses_custom
 from skippy_cache.server.tracelog import TraceLog
-
-T = TypeVar("T", bound=BaseModel)
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(frozen=True)
@@ -260,7 +254,7 @@ class Generation:
         return EngineRuns(runs)
 
     async def _respond(self, request: Request, runs: EngineRuns, body: CompletionRequest | ChatCompletionRequest,
-                       fmt: ResponseFormat, job: ChatJob | None = None) -> Response:
+                       fmt: OpenAIFormat, job: ChatJob | None = None) -> Response:
         # Cancels the engine requests if the client goes away; ends by itself
         # once the response is complete (the server then reports a disconnect).
         watcher = asyncio.create_task(cancel_on_disconnect(request, runs))
@@ -394,49 +388,7 @@ def _cancelled(client_left: bool) -> APIError:
     return APIError(503, "the request was cancelled", type="server_error", code="cancelled")
 
 
-async def parse_body(request: Request, model: type[T]) -> T:
-    """The JSON body as `model`; a 400 naming the field otherwise.
-
-    Parsed on a worker thread: a body's JSON and its schemas' grammars (compiled as the body is
-    validated) take time that grows with what a client sends, and the event loop serves everyone.
-    """
-    body = await asyncio.to_thread(_parse_body, await request.body(), model)
-    if isinstance(body, Strict) and (ignored := body.ignored_fields()):
-        request.state.ignored_fields = ignored  # the answer's header and a metric (metrics.RequestCounter)
-    return body
-
-
-def _parse_body(raw: bytes, model: type[T]) -> T:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    except RecursionError:
-        raise APIError(400, "the request body nests arrays or objects too deeply", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    # JSON may escape half of a UTF-16 pair (`"\ud800"`): Python keeps it as a lone surrogate, which
-    # no tokenizer or encoder takes, so it would fail far from here as a 500. Only an escape makes one.
-    if b"\\u" in raw:
-        try:
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise APIError(400, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
-                                "which is no Unicode character", code="invalid_json") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_errors(exc.errors()) from None
-
-
-def sse_event(payload: dict, event: str | None = None) -> str:
-    """One server-sent event: its `event:` line when the API names its events (Anthropic's,
-    the Responses API's), then the compact JSON payload."""
-    head = f"event: {event}\n" if event is not None else ""
-    return f"{head}data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _sse(runs: EngineRuns, fmt: ResponseFormat, include_usage: bool, watcher: asyncio.Task[None],
+async def _sse(runs: EngineRuns, fmt: OpenAIFormat, include_usage: bool, watcher: asyncio.Task[None],
                remember: Callable[[int, DoneEvent], None] | None = None) -> AsyncIterator[str]:
     """OpenAI's server-sent events: chunks (each naming its choice's `index`), then `data: [DONE]`.
 

@@ -18,7 +18,7 @@ from prometheus_client.utils import floatToGoString
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skippy_cache.runtime import RTT_BUCKETS, DoneEvent, Engine, FinishReason, RemoteStats
-from skippy_cache.server.dashboard import Timeline
+from skippy_cache.server.timeline import Timeline
 from skippy_cache.tiers import StoreStats
 
 #: Time to first token: tens of ms for a full cache hit, seconds for a cold

@@ -33,7 +33,8 @@ from skippy_cache.runtime import (
 )
 from skippy_cache.server.bridge import EngineRuns
 from skippy_cache.server.errors import APIError, branch_tag, error_body
-from skippy_cache.server.generation import Generation, parse_body, sse_event
+from skippy_cache.server.generation import Generation
+from skippy_cache.server.http import parse_body, sse_event
 from skippy_cache.server.jobs import ChatJob, scoped
 from skippy_cache.server.responses import cache_answer
 from skippy_cache.server.schemas import (
@@ -436,6 +437,21 @@ def _functions(tools: list[AnyTool] | None) -> list[tuple[str, FunctionTool]]:
     return out
 
 
+def _chat_tools(tools: list[AnyTool] | None) -> list[ToolSpec]:
+    """The tools as the chat job offers them, in the order given (a namespace's functions in its
+    place). The qualified name is set after validation: a name with a dot is this server's own,
+    not a client's."""
+    out = []
+    for tool in tools or ():
+        if isinstance(tool, CustomTool):
+            out.append(tool.as_chat())
+            continue
+        for name, function in _functions([tool]):
+            spec = FunctionSpec.model_validate(function.model_dump(exclude={"type"}))
+            out.append(ToolSpec(type="function", function=spec.model_copy(update={"name": name})))
+    return out
+
+
 def _customs(tools: list[AnyTool] | None) -> list[CustomTool]:
     return [tool for tool in tools or () if isinstance(tool, CustomTool)]
 
@@ -472,10 +488,7 @@ def to_job(body: ResponsesRequest, scope: Scope) -> ChatJob:
         top_p=1.0 if body.top_p is None else body.top_p,
         grammar=body.text.grammar if body.text is not None else None,
     )
-    # The qualified name is set after validation: a name with a dot is this server's own, not a client's.
-    tools = [ToolSpec(type="function", function=FunctionSpec.model_validate(
-        t.model_dump(exclude={"type"})).model_copy(update={"name": name}))
-        for name, t in body.functions] + [t.as_chat() for t in body.customs]
+    tools = _chat_tools(body.tools)
     return ChatJob(sampling=sampling, temperature_given=body.temperature is not None,
                    max_tokens=body.max_output_tokens, max_tokens_bound=True,
                    **scoped(scope, body.cache_salt),
@@ -499,7 +512,7 @@ def usage(stats: RequestStats) -> dict:
     }
 
 
-class ResponseFormat:
+class ResponseObjectFormat:
     """One response object, whole or as its stream of events (each with its `sequence_number`)."""
 
     def __init__(self, model: str, body: ResponsesRequest, tool_names: set[str] | None,
@@ -705,6 +718,6 @@ class ResponsesAPI:
         self.generation.models.check(body.model)
         job = to_job(body, scope_of(request))
         runs, _ = await self.generation.start_chat(job)
-        fmt = ResponseFormat(self.generation.model_id, body, job.tool_names, job.constrained,
+        fmt = ResponseObjectFormat(self.generation.model_id, body, job.tool_names, job.constrained,
                              self.generation.settings.default_temperature, job.custom_names)
         return await self.generation.respond_one(request, runs, job, fmt, body.stream)

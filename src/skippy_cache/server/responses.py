@@ -324,4 +324,5 @@ class ChatFormat(_Envelope):
         return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
 
 
-ResponseFormat = CompletionFormat | ChatFormat
+#: The shape of a /v1/completions or /v1/chat/completions answer.
+OpenAIFormat = CompletionFormat | ChatFormat
