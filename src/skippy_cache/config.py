@@ -1,4 +1,4 @@
-"""Cache configuration: per-stage settings and the budgets derived from them.
+"""Cache configuration: the context a server runs, the cache settings, and the budgets derived from them.
 
 A port of the seed's configuration module (`skippy_cache/config.rs`) with its
 semantics kept exactly; its tests are ported one to one in
@@ -25,7 +25,7 @@ LLAMA_MAX_SEQ = 256
 MAX_ENTRIES_CLAMP = 512
 
 
-class StageKvCacheMode(enum.Enum):
+class CacheMode(enum.Enum):
     DISABLED = "disabled"
     #: lookup-record for model families whose resident KV is certified exact,
     #: disabled otherwise (the runtime resolves it once it has read the model).
@@ -35,35 +35,35 @@ class StageKvCacheMode(enum.Enum):
 
     @property
     def records(self) -> bool:
-        return self in (StageKvCacheMode.RECORD, StageKvCacheMode.LOOKUP_RECORD)
+        return self in (CacheMode.RECORD, CacheMode.LOOKUP_RECORD)
 
     @property
     def looks_up(self) -> bool:
-        return self is StageKvCacheMode.LOOKUP_RECORD
+        return self is CacheMode.LOOKUP_RECORD
 
 
-class StageKvCachePayload(enum.Enum):
+class CachePayload(enum.Enum):
     AUTO = "auto"
     RESIDENT_KV = "resident-kv"
     KV_RECURRENT = "kv-recurrent"
     FULL_STATE = "full-state"
 
 
-_MODE_WORDS: dict[str, StageKvCacheMode] = {
-    "off": StageKvCacheMode.DISABLED,
-    "0": StageKvCacheMode.DISABLED,
-    "false": StageKvCacheMode.DISABLED,
-    "disabled": StageKvCacheMode.DISABLED,
-    "on": StageKvCacheMode.LOOKUP_RECORD,
-    "1": StageKvCacheMode.LOOKUP_RECORD,
-    "true": StageKvCacheMode.LOOKUP_RECORD,
-    "lookup-record": StageKvCacheMode.LOOKUP_RECORD,
-    "record": StageKvCacheMode.RECORD,
-    "auto": StageKvCacheMode.AUTO,
+_MODE_WORDS: dict[str, CacheMode] = {
+    "off": CacheMode.DISABLED,
+    "0": CacheMode.DISABLED,
+    "false": CacheMode.DISABLED,
+    "disabled": CacheMode.DISABLED,
+    "on": CacheMode.LOOKUP_RECORD,
+    "1": CacheMode.LOOKUP_RECORD,
+    "true": CacheMode.LOOKUP_RECORD,
+    "lookup-record": CacheMode.LOOKUP_RECORD,
+    "record": CacheMode.RECORD,
+    "auto": CacheMode.AUTO,
 }
 
 
-def parse_cache_mode(value: str, *, name: str = "cache mode") -> StageKvCacheMode:
+def parse_cache_mode(value: str, *, name: str = "cache mode") -> CacheMode:
     """Parse the words `SKIPPY_KV_CACHE` and `--cache-mode` accept."""
     mode = _MODE_WORDS.get(value.strip().lower())
     if mode is None:
@@ -72,11 +72,11 @@ def parse_cache_mode(value: str, *, name: str = "cache mode") -> StageKvCacheMod
     return mode
 
 
-def parse_payload(value: str, *, name: str = "payload") -> StageKvCachePayload:
+def parse_payload(value: str, *, name: str = "payload") -> CachePayload:
     try:
-        return StageKvCachePayload(value.strip().lower())
+        return CachePayload(value.strip().lower())
     except ValueError:
-        choices = ", ".join(p.value for p in StageKvCachePayload)
+        choices = ", ".join(p.value for p in CachePayload)
         raise ValueError(f"{name}={value!r} is not a payload (one of: {choices})") from None
 
 
@@ -88,11 +88,11 @@ def _parse_uint(name: str, value: str) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageKvCacheConfig:
-    """Per-stage cache settings, as an operator writes them."""
+class CacheConfig:
+    """The cache settings, as an operator writes them (`SKIPPY_KV_CACHE*`)."""
 
-    mode: StageKvCacheMode = StageKvCacheMode.AUTO
-    payload: StageKvCachePayload = StageKvCachePayload.AUTO
+    mode: CacheMode = CacheMode.AUTO
+    payload: CachePayload = CachePayload.AUTO
     max_entries: int = 64
     #: 0 means no byte cap.
     max_bytes: int = 0
@@ -102,7 +102,7 @@ class StageKvCacheConfig:
     shared_prefix_record_limit: int = 2
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> StageKvCacheConfig:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CacheConfig:
         """Read `SKIPPY_KV_CACHE*`; unset variables keep their defaults.
 
         A malformed value raises `ValueError` naming the variable and the value,
@@ -132,8 +132,11 @@ _UINT_ENV_FIELDS = (
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageConfig:
-    """What one serving stage runs: the model, its layer range and its context.
+class ContextConfig:
+    """What one server's llama.cpp context runs: the model, its layer range and the context.
+
+    `stage_id`, `stage_index` and the layer range are the seed's (a model served in stages across
+    processes); one server is stage 0 of all layers, and the prefix identity still names them.
 
     The seed's `n_gpu_layers`, `model_path` and `n_batch` are left out: nothing
     here reads them (the engine's own config builds the llama.cpp context).
@@ -171,7 +174,7 @@ def derive_max_resident_tokens(ctx_size: int) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class ResidentCacheConfig:
-    """The resident cache's budgets, derived from a stage and its cache settings."""
+    """The resident cache's budgets, derived from the context and the cache settings."""
 
     max_entries: int
     #: 0 means no byte cap.
@@ -184,7 +187,7 @@ class ResidentCacheConfig:
     max_resident_tokens: int
 
     @classmethod
-    def from_stage(cls, stage: StageConfig, cache: StageKvCacheConfig) -> ResidentCacheConfig:
+    def from_context(cls, stage: ContextConfig, cache: CacheConfig) -> ResidentCacheConfig:
         reserved_seq_count = max(stage.lane_count * 2, 2)
         if reserved_seq_count >= LLAMA_MAX_SEQ:
             raise ValueError(
@@ -219,7 +222,7 @@ class PrefixCandidatePolicy:
     page_size_tokens: int
 
     @classmethod
-    def from_cache(cls, cache: StageKvCacheConfig) -> PrefixCandidatePolicy:
+    def from_cache(cls, cache: CacheConfig) -> PrefixCandidatePolicy:
         return cls(
             min_tokens=cache.min_tokens,
             stride_tokens=cache.shared_prefix_stride_tokens,

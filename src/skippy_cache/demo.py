@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from skippy_cache.config import PrefixCandidatePolicy, ResidentCacheConfig, StageConfig, StageKvCacheConfig
+from skippy_cache.config import CacheConfig, ContextConfig, PrefixCandidatePolicy, ResidentCacheConfig
 from skippy_cache.identity import IdentityKey, prefix_identities
 from skippy_cache.resident import ResidentPrefixCache
 
 
 def run_demo(ctx_size: int, prompt_tokens: int, lanes: int) -> str:
-    stage = StageConfig(ctx_size=ctx_size, lane_count=lanes, model_id="demo-model", layer_end=30)
-    cache_cfg = StageKvCacheConfig.from_env()
-    budgets = ResidentCacheConfig.from_stage(stage, cache_cfg)
+    stage = ContextConfig(ctx_size=ctx_size, lane_count=lanes, model_id="demo-model", layer_end=30)
+    cache_cfg = CacheConfig.from_env()
+    budgets = ResidentCacheConfig.from_context(stage, cache_cfg)
     policy = PrefixCandidatePolicy.from_cache(cache_cfg)
     lookups = policy.candidate_token_counts(prompt_tokens)
     records = policy.record_candidate_token_counts(prompt_tokens)
-    key = IdentityKey.from_stage(stage, model_digest="0" * 16, runtime_abi="demo", weight_layout="CPU")
+    key = IdentityKey.from_context(stage, model_digest="0" * 16, runtime_abi="demo", weight_layout="CPU")
     tokens = list(range(prompt_tokens))
     ids = prefix_identities(key, tokens, records)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from skippy_cache.config import StageKvCacheMode, StageKvCachePayload
+from skippy_cache.config import CacheMode, CachePayload
 
 
 class Memory(str, enum.Enum):
@@ -112,8 +112,8 @@ def refusal(architecture: str) -> str | None:
 
 
 def resolve_mode(
-    mode: StageKvCacheMode, payload: StageKvCachePayload, family: Family
-) -> tuple[StageKvCacheMode, str | None]:
+    mode: CacheMode, payload: CachePayload, family: Family
+) -> tuple[CacheMode, str | None]:
     """The mode the runtime will use and, when it differs from the request, why.
 
     `auto` is lookup-record for every kind of memory: each kind has its rule.
@@ -121,12 +121,12 @@ def resolve_mode(
     the KV cells: reusing it would leave that state behind and give a
     confidently wrong continuation.
     """
-    if mode is StageKvCacheMode.AUTO:
-        mode = StageKvCacheMode.LOOKUP_RECORD
-    if mode is StageKvCacheMode.DISABLED or not family.whole_entries:
+    if mode is CacheMode.AUTO:
+        mode = CacheMode.LOOKUP_RECORD
+    if mode is CacheMode.DISABLED or not family.whole_entries:
         return mode, None
-    if payload is StageKvCachePayload.RESIDENT_KV:
-        return StageKvCacheMode.DISABLED, (
+    if payload is CachePayload.RESIDENT_KV:
+        return CacheMode.DISABLED, (
             f"cache {mode.value} -> disabled: payload resident-kv leaves a {family.memory.value} model's "
             "recurrent state behind (use payload auto or kv-recurrent)")
     return mode, None

@@ -26,7 +26,7 @@ from typing import NewType
 
 from blake3 import blake3
 
-from skippy_cache.config import StageConfig
+from skippy_cache.config import ContextConfig
 
 PrefixHash = NewType("PrefixHash", str)
 PageId = NewType("PageId", str)
@@ -59,9 +59,9 @@ class IdentityKey:
     extra: tuple[tuple[str, str], ...] = field(default=())
 
     @classmethod
-    def from_stage(
+    def from_context(
         cls,
-        stage: StageConfig,
+        stage: ContextConfig,
         *,
         model_digest: str,
         runtime_abi: str,

@@ -12,12 +12,12 @@ from skippy_cache.config import (
     LLAMA_MAX_SEQ,
     MAX_ENTRIES_CLAMP,
     MIN_CTX_FOR_CELL_CAP,
+    CacheConfig,
+    CacheMode,
+    CachePayload,
+    ContextConfig,
     PrefixCandidatePolicy,
     ResidentCacheConfig,
-    StageConfig,
-    StageKvCacheConfig,
-    StageKvCacheMode,
-    StageKvCachePayload,
     derive_max_resident_tokens,
 )
 
@@ -31,9 +31,9 @@ def test_constants() -> None:
 
 
 def test_stage_kv_cache_config_defaults() -> None:
-    cfg = StageKvCacheConfig()
-    assert cfg.mode is StageKvCacheMode.AUTO
-    assert cfg.payload is StageKvCachePayload.AUTO
+    cfg = CacheConfig()
+    assert cfg.mode is CacheMode.AUTO
+    assert cfg.payload is CachePayload.AUTO
     assert cfg.max_entries == 64
     assert cfg.max_bytes == 0
     assert cfg.min_tokens == 64
@@ -42,7 +42,7 @@ def test_stage_kv_cache_config_defaults() -> None:
 
 
 def test_stage_config_defaults() -> None:
-    stage = StageConfig()
+    stage = ContextConfig()
     assert dataclasses.asdict(stage) == {
         "stage_id": "stage-0",
         "stage_index": 0,
@@ -58,7 +58,7 @@ def test_stage_config_defaults() -> None:
     }
 
 
-@pytest.mark.parametrize("obj", [StageKvCacheConfig(), StageConfig()], ids=["cache", "stage"])
+@pytest.mark.parametrize("obj", [CacheConfig(), ContextConfig()], ids=["cache", "stage"])
 def test_configs_are_frozen(obj: object) -> None:
     field = dataclasses.fields(obj)[0].name  # type: ignore[arg-type]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -66,7 +66,7 @@ def test_configs_are_frozen(obj: object) -> None:
 
 
 def test_mode_values_are_kebab_case() -> None:
-    assert {m.name: m.value for m in StageKvCacheMode} == {
+    assert {m.name: m.value for m in CacheMode} == {
         "DISABLED": "disabled",
         "AUTO": "auto",
         "RECORD": "record",
@@ -75,7 +75,7 @@ def test_mode_values_are_kebab_case() -> None:
 
 
 def test_payload_values_are_kebab_case() -> None:
-    assert {p.name: p.value for p in StageKvCachePayload} == {
+    assert {p.name: p.value for p in CachePayload} == {
         "AUTO": "auto",
         "RESIDENT_KV": "resident-kv",
         "KV_RECURRENT": "kv-recurrent",
@@ -86,13 +86,13 @@ def test_payload_values_are_kebab_case() -> None:
 @pytest.mark.parametrize(
     ("mode", "records", "looks_up"),
     [
-        (StageKvCacheMode.DISABLED, False, False),
-        (StageKvCacheMode.AUTO, False, False),
-        (StageKvCacheMode.RECORD, True, False),
-        (StageKvCacheMode.LOOKUP_RECORD, True, True),
+        (CacheMode.DISABLED, False, False),
+        (CacheMode.AUTO, False, False),
+        (CacheMode.RECORD, True, False),
+        (CacheMode.LOOKUP_RECORD, True, True),
     ],
 )
-def test_mode_records_and_looks_up(mode: StageKvCacheMode, records: bool, looks_up: bool) -> None:
+def test_mode_records_and_looks_up(mode: CacheMode, records: bool, looks_up: bool) -> None:
     assert mode.records is records
     assert mode.looks_up is looks_up
 
@@ -101,61 +101,61 @@ def test_mode_records_and_looks_up(mode: StageKvCacheMode, records: bool, looks_
 
 
 def test_from_env_empty_keeps_defaults() -> None:
-    assert StageKvCacheConfig.from_env({}) == StageKvCacheConfig()
+    assert CacheConfig.from_env({}) == CacheConfig()
 
 
 def test_from_env_ignores_unrelated_variables() -> None:
-    assert StageKvCacheConfig.from_env({"SKIPPY_KV": "off", "KV_CACHE": "0"}) == StageKvCacheConfig()
+    assert CacheConfig.from_env({"SKIPPY_KV": "off", "KV_CACHE": "0"}) == CacheConfig()
 
 
 def test_from_env_none_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SKIPPY_KV_CACHE", "record")
     monkeypatch.setenv("SKIPPY_KV_CACHE_MIN_TOKENS", "96")
-    cfg = StageKvCacheConfig.from_env()
-    assert cfg.mode is StageKvCacheMode.RECORD
+    cfg = CacheConfig.from_env()
+    assert cfg.mode is CacheMode.RECORD
     assert cfg.min_tokens == 96
 
 
 @pytest.mark.parametrize(
     ("word", "mode"),
     [
-        ("off", StageKvCacheMode.DISABLED),
-        ("0", StageKvCacheMode.DISABLED),
-        ("false", StageKvCacheMode.DISABLED),
-        ("disabled", StageKvCacheMode.DISABLED),
-        ("on", StageKvCacheMode.LOOKUP_RECORD),
-        ("1", StageKvCacheMode.LOOKUP_RECORD),
-        ("true", StageKvCacheMode.LOOKUP_RECORD),
-        ("lookup-record", StageKvCacheMode.LOOKUP_RECORD),
-        ("record", StageKvCacheMode.RECORD),
-        ("auto", StageKvCacheMode.AUTO),
+        ("off", CacheMode.DISABLED),
+        ("0", CacheMode.DISABLED),
+        ("false", CacheMode.DISABLED),
+        ("disabled", CacheMode.DISABLED),
+        ("on", CacheMode.LOOKUP_RECORD),
+        ("1", CacheMode.LOOKUP_RECORD),
+        ("true", CacheMode.LOOKUP_RECORD),
+        ("lookup-record", CacheMode.LOOKUP_RECORD),
+        ("record", CacheMode.RECORD),
+        ("auto", CacheMode.AUTO),
         # Case and surrounding whitespace are forgiven.
-        ("OFF", StageKvCacheMode.DISABLED),
-        (" True ", StageKvCacheMode.LOOKUP_RECORD),
-        ("Lookup-Record\n", StageKvCacheMode.LOOKUP_RECORD),
+        ("OFF", CacheMode.DISABLED),
+        (" True ", CacheMode.LOOKUP_RECORD),
+        ("Lookup-Record\n", CacheMode.LOOKUP_RECORD),
     ],
 )
-def test_from_env_mode_words(word: str, mode: StageKvCacheMode) -> None:
-    cfg = StageKvCacheConfig.from_env({"SKIPPY_KV_CACHE": word})
+def test_from_env_mode_words(word: str, mode: CacheMode) -> None:
+    cfg = CacheConfig.from_env({"SKIPPY_KV_CACHE": word})
     assert cfg.mode is mode
     # Only the mode moved.
-    assert dataclasses.replace(cfg, mode=StageKvCacheMode.AUTO) == StageKvCacheConfig()
+    assert dataclasses.replace(cfg, mode=CacheMode.AUTO) == CacheConfig()
 
 
 @pytest.mark.parametrize(
     ("word", "payload"),
     [
-        ("auto", StageKvCachePayload.AUTO),
-        ("resident-kv", StageKvCachePayload.RESIDENT_KV),
-        ("kv-recurrent", StageKvCachePayload.KV_RECURRENT),
-        ("full-state", StageKvCachePayload.FULL_STATE),
-        (" Full-State ", StageKvCachePayload.FULL_STATE),
+        ("auto", CachePayload.AUTO),
+        ("resident-kv", CachePayload.RESIDENT_KV),
+        ("kv-recurrent", CachePayload.KV_RECURRENT),
+        ("full-state", CachePayload.FULL_STATE),
+        (" Full-State ", CachePayload.FULL_STATE),
     ],
 )
-def test_from_env_payload(word: str, payload: StageKvCachePayload) -> None:
-    cfg = StageKvCacheConfig.from_env({"SKIPPY_KV_CACHE_PAYLOAD": word})
+def test_from_env_payload(word: str, payload: CachePayload) -> None:
+    cfg = CacheConfig.from_env({"SKIPPY_KV_CACHE_PAYLOAD": word})
     assert cfg.payload is payload
-    assert dataclasses.replace(cfg, payload=StageKvCachePayload.AUTO) == StageKvCacheConfig()
+    assert dataclasses.replace(cfg, payload=CachePayload.AUTO) == CacheConfig()
 
 
 NUMERIC_VARS = [
@@ -172,9 +172,9 @@ NUMERIC_VARS = [
     ("raw", "value"), [("0", 0), ("7", 7), ("300", 300), (" 4096 ", 4096), ("1_000", 1000)]
 )
 def test_from_env_numeric(var: str, field: str, raw: str, value: int) -> None:
-    cfg = StageKvCacheConfig.from_env({var: raw})
+    cfg = CacheConfig.from_env({var: raw})
     assert getattr(cfg, field) == value
-    assert dataclasses.replace(cfg, **{field: getattr(StageKvCacheConfig(), field)}) == StageKvCacheConfig()
+    assert dataclasses.replace(cfg, **{field: getattr(CacheConfig(), field)}) == CacheConfig()
 
 
 def test_from_env_all_at_once() -> None:
@@ -187,9 +187,9 @@ def test_from_env_all_at_once() -> None:
         "SKIPPY_KV_CACHE_SHARED_STRIDE_TOKENS": "128",
         "SKIPPY_KV_CACHE_SHARED_RECORD_LIMIT": "0",
     }
-    assert StageKvCacheConfig.from_env(env) == StageKvCacheConfig(
-        mode=StageKvCacheMode.LOOKUP_RECORD,
-        payload=StageKvCachePayload.RESIDENT_KV,
+    assert CacheConfig.from_env(env) == CacheConfig(
+        mode=CacheMode.LOOKUP_RECORD,
+        payload=CachePayload.RESIDENT_KV,
         max_entries=32,
         max_bytes=1 << 30,
         min_tokens=256,
@@ -216,18 +216,18 @@ MALFORMED = [
 @pytest.mark.parametrize(("var", "bad"), MALFORMED)
 def test_from_env_malformed_names_variable_and_value(var: str, bad: str) -> None:
     with pytest.raises(ValueError) as info:
-        StageKvCacheConfig.from_env({var: bad})
+        CacheConfig.from_env({var: bad})
     message = str(info.value)
     assert var in message
     assert repr(bad) in message
 
 
-# -- ResidentCacheConfig.from_stage ------------------------------------------------------
+# -- ResidentCacheConfig.from_context ------------------------------------------------------
 
 
 @pytest.mark.parametrize(("lanes", "reserved"), [(0, 2), (1, 2), (2, 4), (4, 8), (100, 200)])
 def test_reserved_seq_count_is_two_per_lane_at_least_two(lanes: int, reserved: int) -> None:
-    cfg = ResidentCacheConfig.from_stage(StageConfig(lane_count=lanes), StageKvCacheConfig())
+    cfg = ResidentCacheConfig.from_context(ContextConfig(lane_count=lanes), CacheConfig())
     assert cfg.reserved_seq_count == reserved
 
 
@@ -248,8 +248,8 @@ def test_reserved_seq_count_is_two_per_lane_at_least_two(lanes: int, reserved: i
     ],
 )
 def test_max_entries_clamp_and_seq_id_cap(lanes: int, max_entries: int, expected: int) -> None:
-    cfg = ResidentCacheConfig.from_stage(
-        StageConfig(lane_count=lanes), StageKvCacheConfig(max_entries=max_entries)
+    cfg = ResidentCacheConfig.from_context(
+        ContextConfig(lane_count=lanes), CacheConfig(max_entries=max_entries)
     )
     assert cfg.max_entries == expected
     assert cfg.reserved_seq_count + cfg.max_entries <= LLAMA_MAX_SEQ
@@ -257,7 +257,7 @@ def test_max_entries_clamp_and_seq_id_cap(lanes: int, max_entries: int, expected
 
 @pytest.mark.parametrize("ctx_size", [0, 768, 4096, 8191, 8192, 8193, 16384, 131072])
 def test_from_stage_token_cap_is_derived(ctx_size: int) -> None:
-    cfg = ResidentCacheConfig.from_stage(StageConfig(ctx_size=ctx_size), StageKvCacheConfig())
+    cfg = ResidentCacheConfig.from_context(ContextConfig(ctx_size=ctx_size), CacheConfig())
     assert cfg.max_resident_tokens == derive_max_resident_tokens(ctx_size)
 
 
@@ -269,9 +269,9 @@ def test_derive_max_resident_tokens_values(ctx_size: int, cap: int) -> None:
 
 
 def test_from_stage_copies_bytes_and_min_tokens() -> None:
-    cfg = ResidentCacheConfig.from_stage(
-        StageConfig(ctx_size=32768, lane_count=3),
-        StageKvCacheConfig(max_entries=10, max_bytes=123456, min_tokens=77),
+    cfg = ResidentCacheConfig.from_context(
+        ContextConfig(ctx_size=32768, lane_count=3),
+        CacheConfig(max_entries=10, max_bytes=123456, min_tokens=77),
     )
     assert cfg == ResidentCacheConfig(
         max_entries=10, max_bytes=123456, min_tokens=77, reserved_seq_count=6, max_resident_tokens=16384
@@ -282,8 +282,8 @@ def test_from_stage_copies_bytes_and_min_tokens() -> None:
     ("lanes", "max_entries", "n_seq_max"), [(4, 64, 72), (4, 512, 256), (0, 1, 3), (1, 0, 3), (100, 64, 256)]
 )
 def test_n_seq_max(lanes: int, max_entries: int, n_seq_max: int) -> None:
-    cfg = ResidentCacheConfig.from_stage(
-        StageConfig(lane_count=lanes), StageKvCacheConfig(max_entries=max_entries)
+    cfg = ResidentCacheConfig.from_context(
+        ContextConfig(lane_count=lanes), CacheConfig(max_entries=max_entries)
     )
     assert cfg.n_seq_max == n_seq_max
 
@@ -293,7 +293,7 @@ def test_n_seq_max(lanes: int, max_entries: int, n_seq_max: int) -> None:
 
 @pytest.mark.parametrize(("min_tokens", "page"), [(0, 1), (1, 1), (64, 64), (300, 300)])
 def test_policy_from_cache(min_tokens: int, page: int) -> None:
-    cache = StageKvCacheConfig(
+    cache = CacheConfig(
         min_tokens=min_tokens, shared_prefix_stride_tokens=96, shared_prefix_record_limit=3
     )
     assert PrefixCandidatePolicy.from_cache(cache) == PrefixCandidatePolicy(
@@ -303,7 +303,7 @@ def test_policy_from_cache(min_tokens: int, page: int) -> None:
 
 def test_default_policy_grid_is_min_tokens() -> None:
     # Defaults: stride 128 but page size 64, so shared lengths fall on multiples of 64.
-    policy = PrefixCandidatePolicy.from_cache(StageKvCacheConfig())
+    policy = PrefixCandidatePolicy.from_cache(CacheConfig())
     assert policy.grid_tokens == 64
     assert policy.candidate_token_counts(300) == [300, 256, 192, 128, 64]
     assert policy.record_candidate_token_counts(300) == [300, 256]
@@ -311,7 +311,7 @@ def test_default_policy_grid_is_min_tokens() -> None:
 
 
 def test_candidates_of_zero_are_empty() -> None:
-    policy = PrefixCandidatePolicy.from_cache(StageKvCacheConfig())
+    policy = PrefixCandidatePolicy.from_cache(CacheConfig())
     assert policy.candidate_token_counts(0) == []
     assert policy.record_candidate_token_counts(0) == []
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import skippy_cache
-from skippy_cache.config import StageConfig
+from skippy_cache.config import ContextConfig
 from skippy_cache.identity import IdentityKey, PrefixHasher, prefix_identities, prefix_identity
 
 SRC = Path(skippy_cache.__file__).resolve().parent.parent
@@ -225,7 +225,7 @@ def test_same_inputs_same_id_in_another_process() -> None:
 
 
 def test_identity_key_from_stage() -> None:
-    stage = StageConfig(
+    stage = ContextConfig(
         stage_id="s1",
         stage_index=1,
         layer_start=10,
@@ -237,7 +237,7 @@ def test_identity_key_from_stage() -> None:
         kv_unified=True,
         model_id="m",
     )
-    key = IdentityKey.from_stage(stage, model_digest="d", runtime_abi="abi", weight_layout="CPU", namespace="ns")
+    key = IdentityKey.from_context(stage, model_digest="d", runtime_abi="abi", weight_layout="CPU", namespace="ns")
     assert key == IdentityKey(
         model_id="m",
         model_digest="d",
@@ -257,7 +257,7 @@ def test_identity_key_from_stage() -> None:
     )
     # Documented exclusion: the lane count does not move the id.
     other = dataclasses.replace(stage, lane_count=1)
-    assert IdentityKey.from_stage(other, model_digest="d", runtime_abi="abi", weight_layout="CPU",
+    assert IdentityKey.from_context(other, model_digest="d", runtime_abi="abi", weight_layout="CPU",
                                   namespace="ns") == key
 
 

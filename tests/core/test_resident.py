@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from skippy_cache.config import LLAMA_MAX_SEQ, ResidentCacheConfig, StageConfig, StageKvCacheConfig
+from skippy_cache.config import LLAMA_MAX_SEQ, CacheConfig, ContextConfig, ResidentCacheConfig
 from skippy_cache.identity import PageId
 from skippy_cache.resident import (
     NO_SEQ,
@@ -107,7 +107,7 @@ def test_token_budget_evicts_lru_before_entry_cap() -> None:
 
 
 def test_small_context_smoke_case() -> None:
-    config = ResidentCacheConfig.from_stage(StageConfig(ctx_size=768), StageKvCacheConfig(min_tokens=256))
+    config = ResidentCacheConfig.from_context(ContextConfig(ctx_size=768), CacheConfig(min_tokens=256))
     assert config.max_resident_tokens == 0
     assert config.min_tokens == 256
     cache = ResidentPrefixCache(config)
@@ -340,7 +340,7 @@ def test_seq_ids_stay_in_range_under_churn(reserved: int) -> None:
 
 
 def test_seq_ids_exhausted_when_entries_outnumber_ids() -> None:
-    # Built by hand past what from_stage allows: 300 entries, 6 free ids.
+    # Built by hand past what from_context allows: 300 entries, 6 free ids.
     cache = ResidentPrefixCache(
         ResidentCacheConfig(
             max_entries=300, max_bytes=0, min_tokens=1, reserved_seq_count=250, max_resident_tokens=0

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
+from skippy_cache.config import CacheConfig, CacheMode
 from skippy_cache.runtime import Engine, EngineConfig
 
 
-def cache(**overrides: object) -> StageKvCacheConfig:
-    return StageKvCacheConfig(**overrides)  # type: ignore[arg-type]
+def cache(**overrides: object) -> CacheConfig:
+    return CacheConfig(**overrides)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +44,7 @@ def cold_engine():
             ctx_size=4096,
             lanes=4,
             deterministic=True,
-            cache=cache(mode=StageKvCacheMode.DISABLED),
+            cache=cache(mode=CacheMode.DISABLED),
             check_invariants=True,
         )
     )

@@ -17,7 +17,7 @@ from conftest import cache
 from exactmode import assert_bit_exact
 from prompts import make_tokens
 
-from skippy_cache.config import StageKvCacheMode
+from skippy_cache.config import CacheMode
 from skippy_cache.runtime import Engine, EngineConfig, SamplingParams
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
 
@@ -110,7 +110,7 @@ def test_a_prompt_prefilled_beside_a_decoding_lane_and_kept_entries_matches_one_
 def test_a_prompt_tiled_in_smaller_steps_matches_one_in_larger_steps(cold_engine):
     # A wide KV view gets smaller prefill steps (prefill.step_rows): the tiled kernel's floats
     # must not depend on how many rows a step holds. Here the batch itself is smaller.
-    small = Engine(EngineConfig(ctx_size=4096, lanes=4, n_batch=128, cache=cache(mode=StageKvCacheMode.DISABLED),
+    small = Engine(EngineConfig(ctx_size=4096, lanes=4, n_batch=128, cache=cache(mode=CacheMode.DISABLED),
                                 check_invariants=True))
     try:
         request = GenerationRequest(tokens=make_tokens(small, 1100, seed=412), max_tokens=16, keep_first_logits=True)
@@ -182,7 +182,7 @@ def test_the_team_size_moves_no_float_so_hits_survive_a_change_of_threads():
     # The engine shrinks its team while other processes keep cores busy (threads.py): a prompt
     # recorded by two threads and reused by one must still be the cache-off run of either.
     on = Engine(EngineConfig(ctx_size=4096, lanes=4, threads=2, cache=cache(shared_prefix_record_limit=0)))
-    off = Engine(EngineConfig(ctx_size=4096, lanes=4, threads=1, cache=cache(mode=StageKvCacheMode.DISABLED)))
+    off = Engine(EngineConfig(ctx_size=4096, lanes=4, threads=1, cache=cache(mode=CacheMode.DISABLED)))
     try:
         prompts = _suite(on)
         firsts = [GenerationRequest(tokens=p, max_tokens=16, keep_first_logits=True) for p in prompts[0::3]]

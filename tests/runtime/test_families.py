@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from tinymodels import build
 
-from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
+from skippy_cache.config import CacheConfig, CacheMode
 from skippy_cache.family import Memory
 from skippy_cache.runtime import Engine, EngineConfig
 from skippy_cache.runtime.gguf_info import ModelFileError
@@ -46,10 +46,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def engine(path: Path, *, cache_on: bool = True, **overrides: object) -> Engine:
-    mode = StageKvCacheMode.AUTO if cache_on else StageKvCacheMode.DISABLED
+    mode = CacheMode.AUTO if cache_on else CacheMode.DISABLED
     settings = {"ctx_size": 2048, "lanes": 4, **overrides}
     return Engine(EngineConfig(model_path=path, host_cache_bytes=0, cache_dir=None,
-                               cache=StageKvCacheConfig(mode=mode), check_invariants=True, **settings))
+                               cache=CacheConfig(mode=mode), check_invariants=True, **settings))
 
 
 @pytest.fixture(scope="module", params=list(MEMORY))
@@ -111,7 +111,7 @@ def assert_as_cold(on, off, arch: str, what: str, *, concurrent: bool = False) -
 def test_every_family_starts_in_exact_mode_and_says_what_it_is(pair):
     arch, on, _ = pair
     assert on.info.family.memory is MEMORY[arch]
-    assert on.info.mode is StageKvCacheMode.LOOKUP_RECORD and on.info.mode_note is None
+    assert on.info.mode is CacheMode.LOOKUP_RECORD and on.info.mode_note is None
     assert on.info.family.describe().startswith(MEMORY[arch].value)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from skippy_cache.config import StageKvCacheMode, StageKvCachePayload
+from skippy_cache.config import CacheMode, CachePayload
 from skippy_cache.family import REFUSED, Family, Memory, refusal, resolve_mode
 
 
@@ -41,24 +41,24 @@ def test_rules_per_memory_kind():
 
 @pytest.mark.parametrize("memory", list(Memory))
 def test_auto_mode_looks_up_and_records_for_every_memory(memory):
-    assert resolve_mode(StageKvCacheMode.AUTO, StageKvCachePayload.AUTO, family(memory)) == (
-        StageKvCacheMode.LOOKUP_RECORD,
+    assert resolve_mode(CacheMode.AUTO, CachePayload.AUTO, family(memory)) == (
+        CacheMode.LOOKUP_RECORD,
         None,
     )
 
 
 @pytest.mark.parametrize("memory", [Memory.RECURRENT, Memory.HYBRID])
 def test_kv_alone_is_refused_where_state_lives_outside_it(memory):
-    mode, why = resolve_mode(StageKvCacheMode.LOOKUP_RECORD, StageKvCachePayload.RESIDENT_KV, family(memory))
-    assert mode is StageKvCacheMode.DISABLED and "resident-kv" in why and memory.value in why
-    for payload in (StageKvCachePayload.KV_RECURRENT, StageKvCachePayload.FULL_STATE):
-        assert resolve_mode(StageKvCacheMode.LOOKUP_RECORD, payload, family(memory)) == (
-            StageKvCacheMode.LOOKUP_RECORD, None)
+    mode, why = resolve_mode(CacheMode.LOOKUP_RECORD, CachePayload.RESIDENT_KV, family(memory))
+    assert mode is CacheMode.DISABLED and "resident-kv" in why and memory.value in why
+    for payload in (CachePayload.KV_RECURRENT, CachePayload.FULL_STATE):
+        assert resolve_mode(CacheMode.LOOKUP_RECORD, payload, family(memory)) == (
+            CacheMode.LOOKUP_RECORD, None)
 
 
 def test_disabled_stays_disabled():
-    assert resolve_mode(StageKvCacheMode.DISABLED, StageKvCachePayload.AUTO, family(Memory.HYBRID)) == (
-        StageKvCacheMode.DISABLED, None)
+    assert resolve_mode(CacheMode.DISABLED, CachePayload.AUTO, family(Memory.HYBRID)) == (
+        CacheMode.DISABLED, None)
 
 
 @pytest.mark.parametrize("architecture", sorted(REFUSED))

@@ -18,7 +18,7 @@ from fastmode import assert_logits_close
 from prompts import make_tokens
 
 from skippy_cache.chunks import derive_secret
-from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
+from skippy_cache.config import CacheConfig, CacheMode
 from skippy_cache.runtime import DoneEvent, Engine, EngineConfig, Event, GenerationRequest
 from skippy_cache.runtime.remote import RemoteConfig
 
@@ -41,7 +41,7 @@ def replica(url: str, *, deterministic: bool = False, secret: bytes = SECRET, **
 def cache_off(deterministic: bool) -> Engine:
     """The reference: the same engine with its cache off, every prompt computed cold."""
     return Engine(EngineConfig(ctx_size=4096, lanes=2, cache_dir=None, deterministic=deterministic,
-                               cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+                               cache=CacheConfig(mode=CacheMode.DISABLED)))
 
 
 @pytest.fixture

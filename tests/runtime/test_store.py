@@ -15,7 +15,7 @@ from fastmode import assert_logits_close
 from prompts import make_tokens
 
 from skippy_cache.chunks import chunk_key
-from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
+from skippy_cache.config import CacheConfig, CacheMode
 from skippy_cache.identity import prefix_identity
 from skippy_cache.runtime import CacheDirBusy, Engine, EngineConfig
 from skippy_cache.runtime.gguf_info import default_model_path
@@ -54,7 +54,7 @@ def warm_exact() -> Iterator[Engine]:
 @pytest.fixture
 def cold_exact() -> Iterator[Engine]:
     """Deterministic mode with the cache off: the reference for cache-on output."""
-    off = StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)
+    off = CacheConfig(mode=CacheMode.DISABLED)
     engine = Engine(config(None, deterministic=True, cache=off))
     yield engine
     engine.close()
@@ -330,7 +330,7 @@ def test_a_prompt_longer_than_the_pool_s_budget_goes_to_the_store_from_its_lane(
 ) -> None:
     # A prompt over the pool's byte budget (here 10 MiB: about 450 tokens) never becomes an entry,
     # and without the store its next turn would prefill it all again.
-    engine = Engine(config(None, deterministic=deterministic, cache=StageKvCacheConfig(max_bytes=10 << 20)))
+    engine = Engine(config(None, deterministic=deterministic, cache=CacheConfig(max_bytes=10 << 20)))
     try:
         prompt = make_tokens(engine, 700, seed=95)
         first = run(engine, prompt, max_tokens=8)
@@ -431,7 +431,7 @@ def test_a_restore_that_goes_on_from_a_resident_entry_imports_only_the_rest(dete
     # page shares the entry's cells for its whole chunks and imports only the chunks after them,
     # and the rows it gives are the cold run's.
     warm = Engine(config(None, deterministic=deterministic, idle_tokens=0))
-    cold = Engine(config(None, deterministic=deterministic, cache=StageKvCacheConfig(mode=StageKvCacheMode.DISABLED)))
+    cold = Engine(config(None, deterministic=deterministic, cache=CacheConfig(mode=CacheMode.DISABLED)))
     try:
         long = make_tokens(warm, 600, seed=95)
         run(warm, long)

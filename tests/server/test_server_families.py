@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from live_server import LiveServer, run_own_server
 
-from skippy_cache.config import StageKvCacheConfig, StageKvCacheMode
+from skippy_cache.config import CacheConfig, CacheMode
 from skippy_cache.server.settings import ServerSettings
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(900)]
@@ -28,19 +28,19 @@ def gemma3() -> Path:
     return package.assemble()  # into ~/.cache, checked against its SHA-256 (reused when it is there)
 
 
-def server(model: Path, mode: StageKvCacheMode) -> Iterator[LiveServer]:
+def server(model: Path, mode: CacheMode) -> Iterator[LiveServer]:
     yield from run_own_server(ServerSettings(model=model, ctx_size=4096, lanes=2, queue_size=8,
-                                             cache=StageKvCacheConfig(mode=mode)))
+                                             cache=CacheConfig(mode=mode)))
 
 
 @pytest.fixture(scope="module")
 def gemma_on(gemma3: Path) -> Iterator[LiveServer]:
-    yield from server(gemma3, StageKvCacheMode.AUTO)
+    yield from server(gemma3, CacheMode.AUTO)
 
 
 @pytest.fixture(scope="module")
 def gemma_off(gemma3: Path) -> Iterator[LiveServer]:
-    yield from server(gemma3, StageKvCacheMode.DISABLED)
+    yield from server(gemma3, CacheMode.DISABLED)
 
 
 SYSTEM = " ".join(f"Rule {i}: the river that passes town number {i} flows north, then east." for i in range(40))

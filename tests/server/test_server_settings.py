@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from skippy_cache.__main__ import build_parser
-from skippy_cache.config import StageKvCacheMode
+from skippy_cache.config import CacheMode
 from skippy_cache.eviction import Policy
 from skippy_cache.runtime import EngineConfig
 from skippy_cache.server.settings import (
@@ -40,7 +40,7 @@ def test_defaults() -> None:
     assert s == ServerSettings(cache_dir=s.cache_dir)
     assert (s.host, s.port, s.ctx_size, s.lanes) == ("127.0.0.1", 8000, 8192, 4)
     assert (s.queue_size, s.api_key) == (64, None)
-    assert s.cache.mode is StageKvCacheMode.AUTO and s.cache.min_tokens == 64
+    assert s.cache.mode is CacheMode.AUTO and s.cache.min_tokens == 64
     assert (s.host_cache_mib, s.idle_tokens, s.disk_cache_mib, s.chunk_tokens) == (None, 256, 10240, 64)
     engine = s.engine_config()
     # RAM tier: None lets the engine size it from the machine, as it does by default.
@@ -119,7 +119,7 @@ def test_cli_options_map_to_settings() -> None:
     assert str(s.model) == "/m.gguf" and s.host == "0.0.0.0" and s.port == 9000
     assert (s.ctx_size, s.lanes, s.api_key, s.queue_size, s.fast) == (4096, 2, "k", 3, True)
     c = s.cache
-    assert c.mode is StageKvCacheMode.DISABLED
+    assert c.mode is CacheMode.DISABLED
     assert (c.max_entries, c.max_bytes, c.min_tokens) == (10, 1_000_000, 32)
     assert (c.shared_prefix_stride_tokens, c.shared_prefix_record_limit) == (64, 0)
     engine = s.engine_config()
@@ -133,7 +133,7 @@ def test_environment_including_the_cores_cache_variables() -> None:
            "SKIPPY_KV_CACHE_MIN_TOKENS": "16", "SKIPPY_KV_CACHE_SHARED_STRIDE_TOKENS": "32"}
     s = settings([], env)
     assert s.port == 8123 and s.fast is True
-    assert s.cache.mode is StageKvCacheMode.RECORD
+    assert s.cache.mode is CacheMode.RECORD
     assert (s.cache.min_tokens, s.cache.shared_prefix_stride_tokens) == (16, 32)
 
 

@@ -38,7 +38,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from skippy_cache.config import PrefixCandidatePolicy, ResidentCacheConfig, StageConfig
+from skippy_cache.config import ContextConfig, PrefixCandidatePolicy, ResidentCacheConfig
 from skippy_cache.family import Family, refusal, resolve_mode
 from skippy_cache.identity import IdentityKey
 from skippy_cache.resident import ResidentPrefixCache
@@ -131,7 +131,7 @@ class Engine:
             # length answers with garbage: an agent's 20,000-token prompt on an 8,192 model.
             log.warning("--ctx-size %d lets one prompt run past the %d tokens %s was trained on; replies to "
                         "longer prompts are unreliable", config.ctx_size, self.model.n_ctx_train, gguf.model_id)
-        stage = StageConfig(
+        stage = ContextConfig(
             ctx_size=config.ctx_size,
             lane_count=config.lanes,
             layer_end=self.model.n_layer,
@@ -140,7 +140,7 @@ class Engine:
             flash_attn=config.flash_attn,
             model_id=gguf.model_id,
         )
-        budgets = ResidentCacheConfig.from_stage(stage, config.cache)
+        budgets = ResidentCacheConfig.from_context(stage, config.cache)
         policy = PrefixCandidatePolicy.from_cache(config.cache)
         det = config.deterministic
         cpus = cpu_budget()
@@ -170,7 +170,7 @@ class Engine:
         resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100,
                                        cells=self.pool.cells)
         tiers = CacheTiers(resident, store)
-        identity_key = IdentityKey.from_stage(stage, model_digest=gguf.digest, runtime_abi=runtime_abi(),
+        identity_key = IdentityKey.from_context(stage, model_digest=gguf.digest, runtime_abi=runtime_abi(),
                                               weight_layout=weight_layout)
         self._batch = Batch(config.n_batch)
         # The seed reserves two sequence ids per lane; the ids past the lanes

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from skippy_cache.config import (
+    CacheConfig,
+    CacheMode,
     PrefixCandidatePolicy,
     ResidentCacheConfig,
-    StageKvCacheConfig,
-    StageKvCacheMode,
 )
 from skippy_cache.eviction import Policy
 from skippy_cache.family import Family
@@ -51,7 +51,7 @@ class EngineConfig:
     #: None: the cores this process may use (affinity and cgroup quota), of which each step takes
     #: those other processes leave free (threads.py); a number: that many, always.
     threads: int | None = None
-    cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = True
@@ -144,8 +144,8 @@ class EngineInfo:
     n_batch: int
     deterministic: bool
     #: The cache mode in force, the one configured, and why they differ.
-    mode: StageKvCacheMode
-    configured_mode: StageKvCacheMode
+    mode: CacheMode
+    configured_mode: CacheMode
     mode_note: str | None
     budgets: ResidentCacheConfig
     policy: PrefixCandidatePolicy

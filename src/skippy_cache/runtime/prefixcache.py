@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from blake3 import blake3
 
-from skippy_cache.config import PrefixCandidatePolicy, StageKvCacheMode
+from skippy_cache.config import CacheMode, PrefixCandidatePolicy
 from skippy_cache.exact import Kernels, rows_key
 from skippy_cache.exact import kernels as kernels_of
 from skippy_cache.family import Family, Memory
@@ -176,7 +176,7 @@ class PrefixCache:
         store: StateStore | None,
         identity_key: IdentityKey,
         policy: PrefixCandidatePolicy,
-        mode: StageKvCacheMode,
+        mode: CacheMode,
         *,
         bytes_per_token: int,
         idle_tokens: int,

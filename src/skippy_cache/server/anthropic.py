@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -30,12 +30,10 @@ from skippy_cache.runtime import (
     FinishReason,
     RequestStats,
     SamplingParams,
-    TokenEvent,
-    json_grammar,
 )
 from skippy_cache.server.bridge import EngineRuns
 from skippy_cache.server.errors import APIError, anthropic_error_body
-from skippy_cache.server.generation import Generation
+from skippy_cache.server.generation import Generation, reply_deltas
 from skippy_cache.server.http import parse_body, sse_event
 from skippy_cache.server.jobs import ChatJob, scoped
 from skippy_cache.server.responses import cache_answer
@@ -46,6 +44,7 @@ from skippy_cache.server.schemas import (
     ChatMessage,
     FunctionSpec,
     FunctionToolCall,
+    OutputGrammar,
     Strict,
     ToolCall,
     ToolSpec,
@@ -192,23 +191,15 @@ class JsonOutputFormat(Strict):
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(Strict):
+class OutputConfig(OutputGrammar):
     """`output_config`: `format` is a grammar over the reply, as chat's `response_format`."""
 
     #: Accepted: how long a reasoning model thinks; this server's models return no thinking.
     effort: str | None = None
     format: JsonOutputFormat | None = None
-    _grammar: str | None = PrivateAttr(default=None)
 
-    @model_validator(mode="after")
-    def _make_grammar(self) -> OutputConfig:
-        if self.format is not None:
-            self._grammar = json_grammar(self.format.schema_)  # ValueError: a 400 naming the field
-        return self
-
-    @property
-    def grammar(self) -> str | None:
-        return self._grammar
+    def _schema(self) -> tuple[bool, dict[str, Any] | None]:
+        return (True, self.format.schema_) if self.format is not None else (False, None)
 
 
 class MessagesRequest(Strict):
@@ -453,18 +444,15 @@ class MessageFormat:
                            "cache_read_input_tokens": 0, "output_tokens": 0}}
         yield _sse("message_start", {"type": "message_start", "message": start})
         yield _sse("ping", {"type": "ping"})
-        async for _, event in runs.events():
-            if isinstance(event, TokenEvent):
-                deltas = splitter.feed(event.text) if self.tool_names is not None else [Delta(text=event.text)]
-                for text in blocks.emit(deltas):
+        async for event in reply_deltas(runs, splitter if self.tool_names is not None else None):
+            if isinstance(event, list):
+                for text in blocks.emit(event):
                     yield text
                 continue
             if event.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                 message = event.error or f"the request was {event.finish_reason.value}"
                 yield _sse("error", anthropic_error_body(500, message))
                 return
-            for text in blocks.emit(splitter.finish() if self.tool_names is not None else []):
-                yield text
             for text in blocks.close():
                 yield text
             self.calls = splitter.calls

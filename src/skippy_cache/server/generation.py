@@ -50,7 +50,7 @@ from skippy_cache.server.schemas import (
 )
 from skippy_cache.server.settings import ServerSettings
 from skippy_cache.server.tenants import Scope, caller_of, scope_of
-from skippy_cache.server.tools import TRIGGER, call_grammar, render_messages, uses_custom
+from skippy_cache.server.tools import TRIGGER, CallSplitter, Delta, call_grammar, render_messages, uses_custom
 from skippy_cache.server.tracelog import TraceLog
 
 
@@ -303,6 +303,19 @@ class OneReplyFormat(Protocol):
     def events(self, runs: EngineRuns) -> AsyncIterator[str]: ...
 
     def call_ids(self) -> tuple[str, ...]: ...
+
+
+async def reply_deltas(runs: EngineRuns, splitter: CallSplitter | None) -> AsyncIterator[list[Delta] | DoneEvent]:
+    """A one-reply run as each API's stream walks it: what each token adds (text, or a call's
+    start, arguments and end, from `splitter` when calls are looked for), what the splitter held
+    back once the reply ended, then the run's DoneEvent, however it ended."""
+    async for _, event in runs.events():
+        if isinstance(event, TokenEvent):
+            yield splitter.feed(event.text) if splitter is not None else [Delta(text=event.text)]
+            continue
+        if splitter is not None and event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            yield splitter.finish()
+        yield event
 
 
 def _job_fields(body: CompletionRequest | ChatCompletionRequest, scope: Scope) -> dict:

@@ -28,12 +28,10 @@ from skippy_cache.runtime import (
     FinishReason,
     RequestStats,
     SamplingParams,
-    TokenEvent,
-    json_grammar,
 )
 from skippy_cache.server.bridge import EngineRuns
 from skippy_cache.server.errors import APIError, branch_tag, error_body
-from skippy_cache.server.generation import Generation
+from skippy_cache.server.generation import Generation, reply_deltas
 from skippy_cache.server.http import parse_body, sse_event
 from skippy_cache.server.jobs import ChatJob, scoped
 from skippy_cache.server.responses import cache_answer
@@ -50,6 +48,7 @@ from skippy_cache.server.schemas import (
     CustomToolCall,
     FunctionSpec,
     FunctionToolCall,
+    OutputGrammar,
     Strict,
     ToolCall,
     ToolSpec,
@@ -98,18 +97,23 @@ class MessageItem(Strict):
         return "\n".join(part.text for part in self.content)
 
 
-class FunctionCallItem(Strict):
-    type: Literal["function_call"]
+class _CallItem(Strict):
+    """A past call, as a response returned it."""
+
     call_id: str = Field(min_length=1)
     name: str
-    arguments: str
     id: str | None = None
     status: str | None = None
-    #: The namespace tool this function belongs to, as this server's calls name it.
-    namespace: str | None = Field(default=None, pattern=FUNCTION_NAME)
     #: What the `openai` client's items carry when sent back: accepted only empty.
     caller: None = None
     async_: None = Field(default=None, alias="async")
+
+
+class FunctionCallItem(_CallItem):
+    type: Literal["function_call"]
+    arguments: str
+    #: The namespace tool this function belongs to, as this server's calls name it.
+    namespace: str | None = Field(default=None, pattern=FUNCTION_NAME)
 
     @property
     def qualified_name(self) -> str:
@@ -139,13 +143,9 @@ class ReasoningItem(Strict):
     status: str | None = None
 
 
-class CustomToolCallItem(Strict):
+class CustomToolCallItem(_CallItem):
     type: Literal["custom_tool_call"]
-    call_id: str = Field(min_length=1)
-    name: str
     input: str
-    id: str | None = None
-    status: str | None = None
 
 
 class CustomToolCallOutputItem(FunctionCallOutputItem):
@@ -264,31 +264,25 @@ class TextFormat(Strict):
     strict: bool | None = None
 
 
-class TextConfig(Strict):
+class TextConfig(OutputGrammar):
     """`text`: the reply as text, any JSON object, or JSON following a schema (a grammar)."""
 
     format: TextFormat | None = None
     #: Not supported: accepted only null.
     verbosity: Any = None
-    _grammar: str | None = PrivateAttr(default=None)
 
     @field_validator("verbosity", mode="before")
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> None:
         refuse_unless_inert(value, info)
 
-    @model_validator(mode="after")
-    def _make_grammar(self) -> TextConfig:
+    def _schema(self) -> tuple[bool, dict[str, Any] | None]:
         fmt = self.format
-        if fmt is not None and fmt.type != "text":
-            if fmt.type == "json_schema" and fmt.schema_ is None:
-                raise ValueError("format type 'json_schema' needs a 'schema'")
-            self._grammar = json_grammar(fmt.schema_)  # ValueError: a 400 naming the field
-        return self
-
-    @property
-    def grammar(self) -> str | None:
-        return self._grammar
+        if fmt is None or fmt.type == "text":
+            return False, None
+        if fmt.type == "json_schema" and fmt.schema_ is None:
+            raise ValueError("format type 'json_schema' needs a 'schema'")
+        return True, fmt.schema_
 
 
 class ResponsesRequest(Strict):
@@ -574,18 +568,15 @@ class ResponseObjectFormat:
         head = self._object("in_progress", [], None)
         yield self._event("response.created", response=head)
         yield self._event("response.in_progress", response=head)
-        async for _, event in runs.events():
-            if isinstance(event, TokenEvent):
-                deltas = splitter.feed(event.text) if self.tool_names is not None else [Delta(text=event.text)]
-                for text in items.emit(deltas):
+        async for event in reply_deltas(runs, splitter if self.tool_names is not None else None):
+            if isinstance(event, list):
+                for text in items.emit(event):
                     yield text
                 continue
             if event.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
                 message = event.error or f"the request was {event.finish_reason.value}"
                 yield self._event("error", **error_body(message, "server_error", code=event.finish_reason.value)["error"])
                 return
-            for text in items.emit(splitter.finish() if self.tool_names is not None else []):
-                yield text
             status = _status(event)
             for text in items.close(status, force_message=not splitter.calls):
                 yield text
@@ -719,5 +710,5 @@ class ResponsesAPI:
         job = to_job(body, scope_of(request))
         runs, _ = await self.generation.start_chat(job)
         fmt = ResponseObjectFormat(self.generation.model_id, body, job.tool_names, job.constrained,
-                             self.generation.settings.default_temperature, job.custom_names)
+                                   self.generation.settings.default_temperature, job.custom_names)
         return await self.generation.respond_one(request, runs, job, fmt, body.stream)

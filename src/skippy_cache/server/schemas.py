@@ -119,7 +119,32 @@ class JsonSchemaSpec(Strict):
     strict: bool | None = None
 
 
-class ResponseFormatSpec(Strict):
+class OutputGrammar(Strict):
+    """A format every API spells its own way, holding the reply to JSON (any object, or a schema):
+    its grammar is compiled as the body is validated, so a schema that does not compile is a 400
+    naming the field. A subclass says which schema it asks for (`_schema`)."""
+
+    _grammar: str | None = PrivateAttr(default=None)
+
+    def _schema(self) -> tuple[bool, dict[str, Any] | None]:
+        """Whether the reply is JSON, and its schema (None: any object); a ValueError for a format
+        that contradicts itself."""
+        raise NotImplementedError
+
+    @model_validator(mode="after")
+    def _make_grammar(self) -> OutputGrammar:
+        wanted, schema = self._schema()
+        if wanted:
+            self._grammar = json_grammar(schema)  # ValueError: a 400 naming the field
+        return self
+
+    @property
+    def grammar(self) -> str | None:
+        """The output's grammar (`runtime.json_grammar`'s); None for text."""
+        return self._grammar
+
+
+class ResponseFormatSpec(OutputGrammar):
     """`response_format`: text, any JSON object, or JSON following a schema, enforced by a grammar
     compiled here by llguidance (a schema that does not compile is a 400)."""
 
@@ -127,29 +152,19 @@ class ResponseFormatSpec(Strict):
     json_schema: JsonSchemaSpec | None = None
     #: llama-cpp-python's spelling: `{"type": "json_object", "schema": {...}}`.
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    _grammar: str | None = PrivateAttr(default=None)
 
-    @model_validator(mode="after")
-    def _make_grammar(self) -> ResponseFormatSpec:
+    def _schema(self) -> tuple[bool, dict[str, Any] | None]:
         if self.type == "text":
             if self.json_schema is not None or self.schema_ is not None:
                 raise ValueError("type 'text' takes no schema")
-            return self
+            return False, None
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise ValueError("type 'json_schema' needs a 'json_schema' object")
-            schema = self.json_schema.schema_
-        else:
-            if self.json_schema is not None:
-                raise ValueError("type 'json_object' takes no 'json_schema' (use type 'json_schema')")
-            schema = self.schema_
-        self._grammar = json_grammar(schema)  # ValueError: a 400 naming response_format
-        return self
-
-    @property
-    def grammar(self) -> str | None:
-        """The output's grammar (`runtime.json_grammar`'s); None for text."""
-        return self._grammar
+            return True, self.json_schema.schema_
+        if self.json_schema is not None:
+            raise ValueError("type 'json_object' takes no 'json_schema' (use type 'json_schema')")
+        return True, self.schema_
 
 
 #: OpenAI's rule for a function's name.

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import jinja2
 
-from skippy_cache.config import StageKvCacheConfig, parse_cache_mode
+from skippy_cache.config import CacheConfig, parse_cache_mode
 from skippy_cache.eviction import Policy
 from skippy_cache.placement import ALIGN
 from skippy_cache.runtime import EngineConfig, RemoteConfig, builtin_chat_templates, redact
@@ -137,7 +137,7 @@ class ServerSettings:
     remote_cache_cluster: bool = False
     #: With a rediss:// URL: the CA file the server's certificate is checked against (None: the system's).
     remote_cache_tls_ca: Path | None = None
-    cache: StageKvCacheConfig = field(default_factory=StageKvCacheConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -332,7 +332,7 @@ def _wrap(parse: Callable[..., object]) -> Callable[[str, str], object]:
 
 @dataclass(frozen=True)
 class Option:
-    #: ServerSettings attribute, or `cache.<StageKvCacheConfig field>`.
+    #: ServerSettings attribute, or `cache.<CacheConfig field>`.
     target: str
     flag: str
     env: str
@@ -483,7 +483,7 @@ OPTIONS: tuple[Option, ...] = (
            _path, "with a rediss:// URL, the CA certificate file the server's certificate must chain to "
            "(default: the system's CAs)", "FILE"),
     # The core's cache settings; the environment names are the core's own
-    # (StageKvCacheConfig.from_env reads them).
+    # (CacheConfig.from_env reads them).
     Option("cache.mode", "--cache-mode", "SKIPPY_KV_CACHE", "mode", _wrap(parse_cache_mode),
            "auto (default: lookup-record unless the model is recurrent), lookup-record, record, "
            "disabled (also on/off)", "MODE"),
@@ -566,7 +566,7 @@ def values_from_env(env: Mapping[str, str]) -> dict[str, object]:
         values[option.target] = option.parse(option.env, env[option.env])
     try:
         # The core reads its own variables, with its own messages for bad values.
-        cache = StageKvCacheConfig.from_env(env)
+        cache = CacheConfig.from_env(env)
     except ValueError as exc:
         raise SettingsError(str(exc)) from None
     for option in OPTIONS:
