@@ -38,12 +38,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from skippy_cache.config import ContextConfig, PrefixCandidatePolicy, ResidentCacheConfig
+from skippy_cache.config import CacheMode, ContextConfig, PrefixCandidatePolicy, ResidentCacheConfig
 from skippy_cache.family import Family, refusal, resolve_mode
 from skippy_cache.identity import IdentityKey
 from skippy_cache.resident import ResidentPrefixCache
 from skippy_cache.runtime.batching import BatchBuilder, Planned
-from skippy_cache.runtime.gguf_info import ModelFileError, default_model_path, read_gguf_info
+from skippy_cache.runtime.gguf_info import GgufInfo, ModelFileError, default_model_path, read_gguf_info
 from skippy_cache.runtime.inflight import InflightJoins
 from skippy_cache.runtime.info import (
     EngineConfig,
@@ -83,11 +83,11 @@ from skippy_cache.runtime.requests import (
 )
 from skippy_cache.runtime.scheduler import Admission, Scheduler, Waiting
 from skippy_cache.runtime.startup import StartupError
-from skippy_cache.runtime.statestore import open_store
+from skippy_cache.runtime.statestore import StateStore, open_store
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.runtime.textstream import TextStream
 from skippy_cache.runtime.threads import ThreadGovernor, cpu_budget, wait_policy
-from skippy_cache.runtime.weightprobe import layout_for
+from skippy_cache.runtime.weightprobe import WeightLayout, layout_for
 from skippy_cache.stateformat import Layout, StateFormatError, parse_sections
 from skippy_cache.tiers import CacheTiers
 from skippy_cache.weights import weight_layout_name
@@ -108,29 +108,7 @@ ROOM_TOKENS = 64
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *, start: bool = True) -> None:
         self.config = config = config or EngineConfig()
-        gguf = read_gguf_info(config.model_path or default_model_path())
-        refused = refusal(gguf.architecture)
-        if refused is not None:
-            raise ModelFileError(f"--model {gguf.path}: {refused}")
-        # Checked in a child process before this one loads anything: a layout that
-        # crashes this CPU must end a probe, not the server (weightprobe.py).
-        weights = layout_for(gguf, config.weight_repack, config.cache_dir)
-        try:
-            self.model = NativeModel(gguf.path, use_extra_bufts=weights.use_extra_bufts)
-        except NativeError:
-            raise ModelFileError(f"--model {gguf.path}: llama.cpp could not load it (architecture "
-                                 f"{gguf.architecture!r}; the error above says why)") from None
-        weight_layout = weight_layout_name(self.model.weight_buffers)
-        self.family = family = Family.of(gguf.architecture, recurrent=self.model.is_recurrent,
-                                         hybrid=self.model.is_hybrid, n_swa=self.model.n_swa)
-        mode, mode_note = resolve_mode(config.cache.mode, config.cache.payload, family)
-        if mode_note:
-            log.warning("%s", mode_note)
-        if 0 < self.model.n_ctx_train < config.ctx_size:
-            # llama.cpp computes such positions without complaint, and a model past its trained
-            # length answers with garbage: an agent's 20,000-token prompt on an 8,192 model.
-            log.warning("--ctx-size %d lets one prompt run past the %d tokens %s was trained on; replies to "
-                        "longer prompts are unreliable", config.ctx_size, self.model.n_ctx_train, gguf.model_id)
+        gguf, weights, weight_layout, mode, mode_note = self._load_model(config)
         stage = ContextConfig(
             ctx_size=config.ctx_size,
             lane_count=config.lanes,
@@ -142,82 +120,17 @@ class Engine:
         )
         budgets = ResidentCacheConfig.from_context(stage, config.cache)
         policy = PrefixCandidatePolicy.from_cache(config.cache)
-        det = config.deterministic
         cpus = cpu_budget()
         threads = config.threads or cpus.threads
-        context = ContextParams(
-            n_ctx=config.ctx_size,
-            n_batch=config.n_batch,
-            n_seq_max=budgets.n_seq_max,
-            n_threads=threads,
-            type_k=config.type_k,
-            type_v=config.type_v,
-            flash_attn=config.flash_attn,
-        )
-        try:
-            self.ctx = NativeContext(self.model, context)
-        except NativeError:
-            self.model.close()
-            raise StartupError(f"--ctx-size {config.ctx_size}: llama.cpp could not create a context of "
-                               f"{config.ctx_size} cells for {gguf.model_id} (out of memory?); try a smaller "
-                               "--ctx-size") from None
-        self.pool = CellPool(self.ctx, whole_entries=family.whole_entries)
-        # The warm-up's one-token state also names the KV layout every stored chunk is cut in.
-        warm_state = self.pool.warm_up(max(self.model.bos, 0))
-        store, store_note = open_store(config, warm_state, family)
-        if store_note:
-            log.warning("%s", store_note)
-        resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100,
-                                       cells=self.pool.cells)
-        tiers = CacheTiers(resident, store)
+        self._open_context(config, gguf, budgets, threads)
         identity_key = IdentityKey.from_context(stage, model_digest=gguf.digest, runtime_abi=runtime_abi(),
-                                              weight_layout=weight_layout)
-        self._batch = Batch(config.n_batch)
-        # The seed reserves two sequence ids per lane; the ids past the lanes
-        # are spare: the first holds a step's pads (a one-row step's pad row, freed
-        # after its decode, and deterministic mode's placement pads, kept while
-        # lanes run: steering.py).
-        self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
-                                     fill_tokens=config.fill_tokens, pad_seq=config.lanes,
-                                     lone_last=family.whole_entries,
-                                     guess=config.lookup_decoding and family.any_prefix,
-                                     jump_forward=config.jump_forward and family.any_prefix)
-        # Placement pads are imported states of zeroed KV rows (steering.py), which attention and
-        # sliding-window caches have; recurrent memories get grid-aligned chunks and lone prefill
-        # steps, not steered cells.
-        layouts = self._pad_layouts(warm_state) if det and not family.whole_entries else None
-        self.placement: Placement = (AlignedPlacement(self.pool, self._builder.pad_seq, layouts)
-                                     if layouts is not None else FreePlacement())
-        # Both modes demote idle entries (`idle_tokens`): every resident cell
-        # widens the KV view that each row of each step walks, and a stream of
-        # distinct prompts otherwise keeps the view twice as wide as its lanes
-        # need. A restore is recorded resident again (`PrefixCache.settle`), so
-        # lanes that come back to a demoted prefix share its cells, not copies.
-        self.cache = PrefixCache(
-            self.pool,
-            tiers,
-            store,
-            identity_key,
-            policy,
-            mode,
-            bytes_per_token=self.model.kv_bytes_per_token(config.type_k, config.type_v),
-            idle_tokens=config.idle_tokens,
-            placement=self.placement,
-            family=family,
-            deterministic=det,
-        )
-        if config.tenant_cache_percent < 100:
-            self.cache.tenant_share_tokens = self.pool.n_ctx * config.tenant_cache_percent // 100
-            # One tenant's pins never release another's, nor take the whole pin budget.
-            resident.max_owner_pinned_tokens = resident.max_pinned_tokens * config.tenant_cache_percent // 100
-            if store is not None:
-                store.owner_share_bytes = store.capacity_bytes * config.tenant_cache_percent // 100
-        self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue, config.max_queue_wait_s)
-        self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens, deterministic=det)
+                                                weight_layout=weight_layout)
+        store, store_note = self._wire_cache(config, budgets, policy, identity_key, mode)
+        det = config.deterministic
         self.info = EngineInfo(
             model=gguf,
             description=self.model.description,
-            family=family,
+            family=self.family,
             weights=weights,
             weight_buffers=dict(self.model.weight_buffers),
             weight_layout=weight_layout,
@@ -277,6 +190,114 @@ class Engine:
         if start:
             self._thread = threading.Thread(target=self._run, name="skippy-engine", daemon=True)
             self._thread.start()
+
+
+    def _load_model(self, config: EngineConfig) -> tuple[GgufInfo, WeightLayout, str, CacheMode, str | None]:
+        """Load the model (`self.model`, `self.family`); its file, its weights' layout and the
+        name of their buffers, and the cache mode its family gets (with a note on why, if any)."""
+        gguf = read_gguf_info(config.model_path or default_model_path())
+        refused = refusal(gguf.architecture)
+        if refused is not None:
+            raise ModelFileError(f"--model {gguf.path}: {refused}")
+        # Checked in a child process before this one loads anything: a layout that
+        # crashes this CPU must end a probe, not the server (weightprobe.py).
+        weights = layout_for(gguf, config.weight_repack, config.cache_dir)
+        try:
+            self.model = NativeModel(gguf.path, use_extra_bufts=weights.use_extra_bufts)
+        except NativeError:
+            raise ModelFileError(f"--model {gguf.path}: llama.cpp could not load it (architecture "
+                                 f"{gguf.architecture!r}; the error above says why)") from None
+        weight_layout = weight_layout_name(self.model.weight_buffers)
+        self.family = family = Family.of(gguf.architecture, recurrent=self.model.is_recurrent,
+                                         hybrid=self.model.is_hybrid, n_swa=self.model.n_swa)
+        mode, mode_note = resolve_mode(config.cache.mode, config.cache.payload, family)
+        if mode_note:
+            log.warning("%s", mode_note)
+        if 0 < self.model.n_ctx_train < config.ctx_size:
+            # llama.cpp computes such positions without complaint, and a model past its trained
+            # length answers with garbage: an agent's 20,000-token prompt on an 8,192 model.
+            log.warning("--ctx-size %d lets one prompt run past the %d tokens %s was trained on; replies to "
+                        "longer prompts are unreliable", config.ctx_size, self.model.n_ctx_train, gguf.model_id)
+        return gguf, weights, weight_layout, mode, mode_note
+
+    def _open_context(self, config: EngineConfig, gguf: GgufInfo, budgets: ResidentCacheConfig,
+                      threads: int) -> None:
+        """The llama.cpp context (`self.ctx`)."""
+        context = ContextParams(
+            n_ctx=config.ctx_size,
+            n_batch=config.n_batch,
+            n_seq_max=budgets.n_seq_max,
+            n_threads=threads,
+            type_k=config.type_k,
+            type_v=config.type_v,
+            flash_attn=config.flash_attn,
+        )
+        try:
+            self.ctx = NativeContext(self.model, context)
+        except NativeError:
+            self.model.close()
+            raise StartupError(f"--ctx-size {config.ctx_size}: llama.cpp could not create a context of "
+                               f"{config.ctx_size} cells for {gguf.model_id} (out of memory?); try a smaller "
+                               "--ctx-size") from None
+
+    def _wire_cache(self, config: EngineConfig, budgets: ResidentCacheConfig, policy: PrefixCandidatePolicy,
+                    identity_key: IdentityKey, mode: CacheMode) -> tuple[StateStore | None, str | None]:
+        """The pool and the cache over it, and what steps are made of: the store, the tiers, the
+        batch builder, placement, the prefix cache, the scheduler and in-flight joins. Returns the
+        store and what opening it said."""
+        family, det = self.family, config.deterministic
+        self.pool = CellPool(self.ctx, whole_entries=family.whole_entries)
+        # The warm-up's one-token state also names the KV layout every stored chunk is cut in.
+        warm_state = self.pool.warm_up(max(self.model.bos, 0))
+        store, store_note = open_store(config, warm_state, family)
+        if store_note:
+            log.warning("%s", store_note)
+        resident = ResidentPrefixCache(budgets, max_pinned_tokens=self.ctx.n_ctx * config.pin_percent // 100,
+                                       cells=self.pool.cells)
+        tiers = CacheTiers(resident, store)
+        self._batch = Batch(config.n_batch)
+        # The seed reserves two sequence ids per lane; the ids past the lanes
+        # are spare: the first holds a step's pads (a one-row step's pad row, freed
+        # after its decode, and deterministic mode's placement pads, kept while
+        # lanes run: steering.py).
+        self._builder = BatchBuilder(self._batch, policy.grid_tokens, deterministic=det,
+                                     fill_tokens=config.fill_tokens, pad_seq=config.lanes,
+                                     lone_last=family.whole_entries,
+                                     guess=config.lookup_decoding and family.any_prefix,
+                                     jump_forward=config.jump_forward and family.any_prefix)
+        # Placement pads are imported states of zeroed KV rows (steering.py), which attention and
+        # sliding-window caches have; recurrent memories get grid-aligned chunks and lone prefill
+        # steps, not steered cells.
+        layouts = self._pad_layouts(warm_state) if det and not family.whole_entries else None
+        self.placement: Placement = (AlignedPlacement(self.pool, self._builder.pad_seq, layouts)
+                                     if layouts is not None else FreePlacement())
+        # Both modes demote idle entries (`idle_tokens`): every resident cell
+        # widens the KV view that each row of each step walks, and a stream of
+        # distinct prompts otherwise keeps the view twice as wide as its lanes
+        # need. A restore is recorded resident again (`PrefixCache.settle`), so
+        # lanes that come back to a demoted prefix share its cells, not copies.
+        self.cache = PrefixCache(
+            self.pool,
+            tiers,
+            store,
+            identity_key,
+            policy,
+            mode,
+            bytes_per_token=self.model.kv_bytes_per_token(config.type_k, config.type_v),
+            idle_tokens=config.idle_tokens,
+            placement=self.placement,
+            family=family,
+            deterministic=det,
+        )
+        if config.tenant_cache_percent < 100:
+            self.cache.tenant_share_tokens = self.pool.n_ctx * config.tenant_cache_percent // 100
+            # One tenant's pins never release another's, nor take the whole pin budget.
+            resident.max_owner_pinned_tokens = resident.max_pinned_tokens * config.tenant_cache_percent // 100
+            if store is not None:
+                store.owner_share_bytes = store.capacity_bytes * config.tenant_cache_percent // 100
+        self.scheduler = Scheduler(config.lanes, self.pool.n_ctx, config.max_queue, config.max_queue_wait_s)
+        self.joins = InflightJoins(self.pool, self.cache.counters, policy.grid_tokens, deterministic=det)
+        return store, store_note
 
     @property
     def n_ctx(self) -> int:
