@@ -21,6 +21,7 @@ from skippy_cache.runtime import CacheDirBusy, Engine, EngineConfig
 from skippy_cache.runtime.gguf_info import default_model_path
 from skippy_cache.runtime.native import Batch, ContextParams, NativeContext, NativeModel
 from skippy_cache.runtime.requests import FinishReason, GenerationRequest
+from skippy_cache.runtime.statestore import EntryMeta
 from skippy_cache.stateformat import join, parse, split
 
 pytestmark = [pytest.mark.model, pytest.mark.timeout(300)]
@@ -547,7 +548,7 @@ def test_a_write_under_way_when_the_store_is_cleared_leaves_nothing(
     try:
         space = engine.cache.identity_key.with_namespace(None)
         whole = prefix_identity(space, tokens)
-        assert store.put(whole.page_id, space, tokens, payload, None, durable=durable)
+        assert store.put(whole.page_id, EntryMeta(space, tokens, None, 0, reused=durable), payload, None)
         assert sealing.wait(30), "the writer never started sealing"
         store.clear()
         resume.set()

@@ -9,7 +9,7 @@ import pytest
 
 from skippy_cache.chunkstore import ChunkStore
 from skippy_cache.identity import IdentityKey, prefix_identity
-from skippy_cache.runtime.statestore import StateStore
+from skippy_cache.runtime.statestore import EntryMeta, StateStore
 
 SPACE = IdentityKey(model_id="m", model_digest="d", stage_id="s", stage_index=0, layer_start=0, layer_end=1,
                     runtime_abi="abi", weight_layout="CPU_Mapped", type_k="f16", type_v="f16", flash_attn=False,
@@ -29,7 +29,7 @@ def put(store: StateStore, owner: str | None, n: int) -> str:
     """A page of `owner`'s: tokens [n] * 8, state PAGE_BYTES bytes; its page id."""
     tokens = [n] * 8
     page_id = prefix_identity(SPACE, tokens).page_id
-    assert store.put(page_id, SPACE, tokens, bytes([n % 256]) * PAGE_BYTES, None, durable=False, owner=owner)
+    assert store.put(page_id, EntryMeta(SPACE, tokens, owner, 0), bytes([n % 256]) * PAGE_BYTES, None)
     return page_id
 
 
@@ -76,7 +76,7 @@ def test_only_a_whole_prompts_tail_is_marked_for_the_eviction_policy() -> None:
         for n, logits in ((1, b"\0" * 8), (2, None)):
             tokens = [n] * 8
             page_id = prefix_identity(SPACE, tokens).page_id
-            assert store.put(page_id, SPACE, tokens, b"x" * PAGE_BYTES, logits, durable=False)
+            assert store.put(page_id, EntryMeta(SPACE, tokens, None, 0), b"x" * PAGE_BYTES, logits)
         assert store.drain(30)
         books = store.chunks._ram_books._chunks  # type: ignore[attr-defined]
         assert sorted(chunk.tail for chunk in books.values()) == [False, True]

@@ -8,7 +8,7 @@ import pytest
 
 from skippy_cache.chunkstore import ChunkStore
 from skippy_cache.identity import IdentityKey, prefix_identity
-from skippy_cache.runtime.statestore import WHOLE_STATE_TOKENS, StateStore
+from skippy_cache.runtime.statestore import WHOLE_STATE_TOKENS, EntryMeta, StateStore
 from skippy_cache.tiers import Hit, Source, Why
 
 KEY = IdentityKey(
@@ -28,7 +28,7 @@ def store():
 
 def put(store: StateStore, n: int, payload: bytes, logits: bytes | None = None):
     ident = prefix_identity(KEY, TOKENS[:n])
-    assert store.put(ident.page_id, KEY, TOKENS[:n], payload, logits, durable=False)
+    assert store.put(ident.page_id, EntryMeta(KEY, TOKENS[:n], None, 0), payload, logits)
     assert store.drain(10)
     return ident
 
@@ -58,7 +58,7 @@ def test_a_whole_state_is_found_by_name_as_a_tail(store):
 def test_a_whole_prompt_keeps_its_logits(store):
     logits = np.arange(8, dtype=np.float32)
     whole = prefix_identity(KEY.with_namespace("whole"), TOKENS[:100])
-    assert store.put(whole.page_id, KEY, TOKENS[:100], b"x" * 64, logits.tobytes(), durable=False)
+    assert store.put(whole.page_id, EntryMeta(KEY, TOKENS[:100], None, 0), b"x" * 64, logits.tobytes())
     assert store.drain(10)
     assert store.probe((), whole) == (0, Source.RAM, True)
     fetched = store.fetch(Hit(Source.RAM, whole.page_id, 100, Why.EXACT_REPEAT), ())

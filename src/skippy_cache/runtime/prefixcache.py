@@ -53,7 +53,7 @@ from skippy_cache.runtime.lane import Lane
 from skippy_cache.runtime.pool import CellPool
 from skippy_cache.runtime.remote import Prefetched
 from skippy_cache.runtime.requests import GenerationRequest, Keep
-from skippy_cache.runtime.statestore import StateStore
+from skippy_cache.runtime.statestore import EntryMeta, StateStore
 from skippy_cache.runtime.steering import AlignedPlacement, FreePlacement, Placement
 from skippy_cache.tiers import CacheCounters, CacheStats, CacheTiers, Hit, Query, Source, Why, reuse_why, told
 
@@ -135,26 +135,6 @@ class PromptNames:
 
 #: What `PrefixCache.plan` looks a prompt up by: a lane once named, or a prompt's names.
 Named = Lane | PromptNames
-
-
-@dataclass(slots=True)
-class EntryMeta:
-    """What the prefix cache knows of one entry it recorded, beside its cells and its index: what
-    its chunks are named by when it leaves (`space`, `tokens`), and what the store is told when it
-    is exported (`StateStore.put`)."""
-
-    space: Hashable
-    tokens: list[int]
-    #: The recording request's tenant (`GenerationRequest.tenant`): counted, cleared and held to a
-    #: share of the pool per tenant.
-    owner: str | None
-    #: Leading tokens the recording request reused (its hit): the shared tier keeps those chunks
-    #: longer (sharedorder.py).
-    hit_tokens: int
-    #: Where its state may go (`GenerationRequest.keep`).
-    keep: Keep = Keep.ALL
-    #: Reused at least once: its chunks belong on disk when it leaves.
-    reused: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -557,8 +537,8 @@ class PrefixCache:
                 or self.pool.cells.seq_len(lane.seq_id) != prefix.token_count):
             return  # a prefix shorter than the lane (an off-grid end) would need a partial export
         kernels = lane.kernels if self.deterministic else None
-        if self._put(prefix.page_id, lane.space, tokens, lane.seq_id, logits, durable=False, kernels=kernels,
-                     owner=lane.request.tenant, keep=keep, reused=lane.cached_tokens):
+        entry = EntryMeta(lane.space, tokens, lane.request.tenant, lane.cached_tokens, keep)
+        if self._put(prefix.page_id, entry, lane.seq_id, logits, kernels):
             self.tiers.file(prefix.page_id, lane.space, tokens, kernels)
             self._book_recorded(lane.space, lane.request, tokens)
         self._forget_store_pages(store.prune())
@@ -827,30 +807,16 @@ class PrefixCache:
         meta = self._meta.get(page_id)
         if store is None or page_id in store or meta is None or meta.keep is Keep.NONE:
             return
-        self._put(page_id, meta.space, meta.tokens, seq_id, self.tiers.logits.get(page_id), durable=meta.reused,
-                  kernels=self.tiers.kernels.get(page_id), owner=meta.owner, keep=meta.keep, reused=meta.hit_tokens)
+        self._put(page_id, meta, seq_id, self.tiers.logits.get(page_id), self.tiers.kernels.get(page_id))
         self._forget_store_pages(store.prune())
 
-    def _put(
-        self,
-        page_id: PageId,
-        space: Hashable,
-        tokens: list[int],
-        seq_id: int,
-        logits: np.ndarray | None,
-        *,
-        durable: bool,
-        kernels: Kernels | None,
-        owner: str | None,
-        keep: Keep,
-        reused: int = 0,
-    ) -> bool:
+    def _put(self, page_id: PageId, entry: EntryMeta, seq_id: int, logits: np.ndarray | None,
+             kernels: Kernels | None) -> bool:
         """Export `seq_id`'s state to the store as `page_id`; counted as a demotion, or as a drop when the
         store's writer is too far behind to take it."""
         assert self.store is not None
-        queued = self.store.put(page_id, space, tokens, self.pool.export(seq_id),
-                                logits.tobytes() if logits is not None else None, durable=durable,
-                                kernels=kernels, owner=owner, local=keep is Keep.RAM, reused=reused)
+        queued = self.store.put(page_id, entry, self.pool.export(seq_id),
+                                logits.tobytes() if logits is not None else None, kernels=kernels)
         if queued:
             self.counters.demotions += 1
         else:

@@ -63,6 +63,7 @@ from skippy_cache.identity import IdentityKey, PageId, PrefixIdentity, prefix_id
 from skippy_cache.placement import ALIGN
 from skippy_cache.runtime.info import EngineConfig, default_host_cache_bytes
 from skippy_cache.runtime.remote import Prefetched, RemoteChunks
+from skippy_cache.runtime.requests import Keep
 from skippy_cache.runtime.startup import StartupError
 from skippy_cache.secretfile import SecretFileError, cache_dir_secret
 from skippy_cache.sharedorder import reused_keys
@@ -75,6 +76,26 @@ log = logging.getLogger("skippy_cache.store")
 _FETCH_CHUNKS = 8
 
 _SOURCE = {Tier.RAM: Source.RAM, Tier.DISK: Source.DISK, None: Source.NONE}
+
+
+@dataclass(slots=True)
+class EntryMeta:
+    """What the prefix cache knows of one entry it recorded, beside its cells and its index: what
+    its chunks are named by when it leaves (`space`, `tokens`), and what the store is told when it
+    is exported (`StateStore.put`)."""
+
+    space: Hashable
+    tokens: list[int]
+    #: The recording request's tenant (`GenerationRequest.tenant`): counted, cleared and held to a
+    #: share of the pool per tenant.
+    owner: str | None
+    #: Leading tokens the recording request reused (its hit): the shared tier keeps those chunks
+    #: longer (sharedorder.py).
+    hit_tokens: int
+    #: Where its state may go (`GenerationRequest.keep`).
+    keep: Keep = Keep.ALL
+    #: Reused at least once: its chunks belong on disk when it leaves.
+    reused: bool = False
 
 
 @dataclass(slots=True)
@@ -235,26 +256,15 @@ class StateStore:
         with self._cv:
             return page_id in self._pages
 
-    def put(
-        self,
-        page_id: PageId,
-        space: Hashable,
-        tokens: Sequence[int],
-        payload: bytes | bytearray,
-        logits: bytes | None,
-        *,
-        durable: bool,
-        kernels: Kernels | None = None,
-        owner: str | None = None,
-        local: bool = False,
-        reused: int = 0,
-    ) -> bool:
-        """Queue an entry's exported state for the writer (`durable`: to disk too); False when the writer
-        is too far behind. `kernels`: those of the prompt that computed it (deterministic mode);
-        `owner`: the tenant that recorded it; `local`: RAM only, whatever `durable` says; `reused`:
-        leading tokens its request reused."""
+    def put(self, page_id: PageId, entry: EntryMeta, payload: bytes | bytearray, logits: bytes | None, *,
+            kernels: Kernels | None = None) -> bool:
+        """Queue an entry's exported state for the writer, as the cache's record of it says: a reused
+        entry to disk too, one its request keeps in RAM (`Keep.RAM`) nowhere else; False when the
+        writer is too far behind. `kernels`: those of the prompt that computed it (deterministic mode)."""
+        space, tokens, owner = entry.space, entry.tokens, entry.owner
+        local = entry.keep is Keep.RAM
         n = len(tokens)
-        assert isinstance(space, IdentityKey)
+        assert isinstance(space, IdentityKey) and entry.keep is not Keep.NONE
         n_chunks = (n - 1) // self.chunk_tokens
         ends = [*range(self.chunk_tokens, n_chunks * self.chunk_tokens + 1, self.chunk_tokens)]
         if logits is None:
@@ -263,7 +273,8 @@ class StateStore:
             ends.append(n)
         keys = self._chunk_keys(self.identities_at(space, tokens, ends, kernels))
         tail = keys.pop() if logits is None else tail_key(page_id, self.layout_id)
-        page = Page(n, tuple(keys), tail, logits, durable and not local, owner, len(payload), local, reused)
+        page = Page(n, tuple(keys), tail, logits, entry.reused and not local, owner, len(payload), local,
+                    entry.hit_tokens)
         with self._cv:
             if self._pending_bytes + len(payload) > self.max_pending_bytes:
                 return False
