@@ -84,6 +84,18 @@ def test_weight_repack_from_cli_env_and_file(tmp_path: Path) -> None:
         settings([], {"SKIPPY_WEIGHT_REPACK": "amx"})
 
 
+def test_kv_cache_types_from_cli_env_and_file(tmp_path: Path) -> None:
+    default = settings([]).engine_config()
+    assert (default.type_k, default.type_v) == ("f16", "f16")
+    chosen = settings(["--cache-type-k", "q8_0", "--cache-type-v", "Q4_0"]).engine_config()
+    assert (chosen.type_k, chosen.type_v) == ("q8_0", "q4_0")
+    assert settings([], {"SKIPPY_CACHE_TYPE_V": "q8_0"}).cache_type_v == "q8_0"
+    path = write(tmp_path, "cache_type_k = 'q5_1'\n")
+    assert settings(["--config", str(path)]).cache_type_k == "q5_1"
+    with pytest.raises(SettingsError, match=r"--cache-type-k='q3_k': a KV cache type is one of f32, f16, q8_0"):
+        settings(["--cache-type-k", "q3_k"])
+
+
 def test_shared_tier_options(tmp_path: Path) -> None:
     assert settings([]).engine_config().remote is None  # off by default: no server to start
     s = settings(["--remote-cache", "redis://cache:6379/2", "--remote-cache-ttl", "600",

@@ -13,6 +13,7 @@ from skippy_cache.runtime.info import (
 )
 from skippy_cache.runtime.logprobs import MAX_TOP_LOGPROBS, Logprob, TokenLogprobs
 from skippy_cache.runtime.native import (
+    KV_TYPES,
     PENALTY_LAST_N,
     FreeText,
     SamplingParams,
@@ -41,6 +42,7 @@ from skippy_cache.runtime.startup import StartupError
 from skippy_cache.runtime.weightprobe import WeightLayout, WeightLayoutError
 
 __all__ = [
+    "KV_TYPES",
     "MAX_TOP_LOGPROBS",
     "PENALTY_LAST_N",
     "RTT_BUCKETS",

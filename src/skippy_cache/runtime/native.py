@@ -65,8 +65,11 @@ def init_backend(quiet: bool = True) -> None:
 
 
 #: ggml type names accepted for the KV cache, as llama-server spells them.
-KV_TYPES = {"f32": ll.GGML_TYPE_F32, "f16": ll.GGML_TYPE_F16, "q8_0": ll.GGML_TYPE_Q8_0}
-_KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+KV_TYPES = {"f32": ll.GGML_TYPE_F32, "f16": ll.GGML_TYPE_F16, "q8_0": ll.GGML_TYPE_Q8_0, "q5_1": ll.GGML_TYPE_Q5_1,
+            "q5_0": ll.GGML_TYPE_Q5_0, "q4_1": ll.GGML_TYPE_Q4_1, "q4_0": ll.GGML_TYPE_Q4_0}
+#: Bytes per element: a quantized type's block (32 elements) over its 32 elements.
+_KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32, "q4_1": 20 / 32,
+                  "q4_0": 18 / 32}
 
 
 def runtime_abi() -> str:

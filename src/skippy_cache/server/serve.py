@@ -98,7 +98,8 @@ def startup_report(engine: Engine, settings: ServerSettings, chat: ChatFormatter
         f"  weights   {weights_line(info)}",
         f"  threads   {threads_line(info)}",
         f"            {info.wait_policy}",
-        f"  pool      n_ctx {info.n_ctx} cells, {info.lanes} lanes, "
+        f"  pool      n_ctx {info.n_ctx} cells (KV k {settings.cache_type_k}, v {settings.cache_type_v}, on the CPU), "
+        f"{info.lanes} lanes, "
         f"n_seq_max {budgets.n_seq_max}, n_batch {info.n_batch}, "
         f"{'exact' if info.deterministic else 'fast'} mode",
         f"  cache     mode {mode}, max entries {budgets.max_entries}, token cap {token_cap}, "

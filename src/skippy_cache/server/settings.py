@@ -23,7 +23,7 @@ import jinja2
 from skippy_cache.config import CacheConfig, parse_cache_mode
 from skippy_cache.eviction import Policy
 from skippy_cache.placement import ALIGN
-from skippy_cache.runtime import EngineConfig, RemoteConfig, builtin_chat_templates, redact
+from skippy_cache.runtime import KV_TYPES, EngineConfig, RemoteConfig, builtin_chat_templates, redact
 from skippy_cache.secretfile import SecretFileError, read_secret_file
 from skippy_cache.server.chat import compile_template
 from skippy_cache.server.schemas import DEFAULT_TEMPERATURE
@@ -76,6 +76,9 @@ class ServerSettings:
     threads: int | None = None
     #: Whether llama.cpp may repack the weights (AMX, CPU_REPACK); auto keeps AMX off (weights.py).
     weight_repack: WeightRepack = WeightRepack.AUTO
+    #: The KV cache's types for keys and values (`KV_TYPES`); part of every prefix identity.
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
     #: Bearer token required on /v1/*; None leaves the API open. With `api_keys`, one admin key more.
     api_key: str | None = field(default=None, repr=False)
     #: A file of keys, each naming a tenant and a role (tenants.py); None: no tenants.
@@ -146,6 +149,8 @@ class ServerSettings:
             lanes=self.lanes,
             threads=self.threads,
             weight_repack=self.weight_repack,
+            type_k=self.cache_type_k,
+            type_v=self.cache_type_v,
             cache=self.cache,
             deterministic=not self.fast,
             lookup_decoding=self.lookup_decoding,
@@ -311,6 +316,13 @@ def _eviction(name: str, text: str) -> Policy:
                             f"{', '.join(p.value for p in Policy)})") from None
 
 
+def _kv_type(name: str, text: str) -> str:
+    kind = text.strip().lower()
+    if kind not in KV_TYPES:
+        raise SettingsError(f"{name}={text!r}: a KV cache type is one of {', '.join(KV_TYPES)}")
+    return kind
+
+
 def _log_level(name: str, text: str) -> str:
     levels = ("critical", "error", "warning", "info", "debug", "trace")
     if text.strip().lower() not in levels:
@@ -375,6 +387,12 @@ OPTIONS: tuple[Option, ...] = (
            _wrap(parse_weight_repack), "let llama.cpp repack the weights for faster CPU kernels (AMX, "
            "CPU_REPACK): auto (default: on, except AMX, which faults on current Xeons), on, off; the chosen "
            "layout is test-decoded in a child process at first start", "MODE"),
+    Option("cache_type_k", "--cache-type-k", "SKIPPY_CACHE_TYPE_K", "cache_type_k", _kv_type,
+           "the KV cache's type for keys, as llama-server's -ctk: f16 (default), f32, q8_0, q5_1, q5_0, q4_1, q4_0; "
+           "a quantized cache takes less memory (q8_0 about half of f16) and its entries are a cache apart "
+           "(the types are in every prefix identity)", "TYPE"),
+    Option("cache_type_v", "--cache-type-v", "SKIPPY_CACHE_TYPE_V", "cache_type_v", _kv_type,
+           "the KV cache's type for values, as llama-server's -ctv (the same types; default f16)", "TYPE"),
     Option("api_key", "--api-key", "SKIPPY_API_KEY", "api_key", _optional_str,
            "require 'Authorization: Bearer KEY' on /v1/* (default: no key)", "KEY"),
     Option("api_keys", "--api-keys", "SKIPPY_API_KEYS", "api_keys", _path,
