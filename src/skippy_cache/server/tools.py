@@ -7,9 +7,10 @@ its name alone, `{"name": ...}`, on the block's first line, then its input as pl
 the closing tag: text a user's grammar may allow (a patch, say) is written as it is, not escaped
 into a JSON string that grammar could not hold. A template that renders tools in that syntax
 itself (`ChatFormatter.caps`) gets the messages as they are, unless custom tools are involved
-(no template knows them). Every other request gets the fallback: the tools' JSON schemas in a `<tools>` block at the end of the system
-message, past calls as their assistant message's text, and each result a `<tool_response>`
-block in a user turn (every chat template knows the user role; not every one knows `tool`).
+(no template knows them). Every other request gets the fallback: the tools' JSON schemas in a
+`<tools>` block at the end of the system message, past calls as their assistant message's text,
+and each result a `<tool_response>` block in a user turn (every chat template knows the user
+role; not every one knows `tool`).
 
 The cache reuses a turn's prompt and reply only if the next turn renders them to the same
 tokens. So a past call is re-rendered exactly as it was generated: the fixed text around it, and
@@ -85,11 +86,15 @@ def uses_custom(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec]) -> b
 def tools_block(tools: Sequence[ToolSpec]) -> str:
     """The system message's addition: every tool's schema (a custom tool's spec), one JSON object a
     line, in the given order."""
-    lines = [json.dumps(t.model_dump(exclude_none=True) if t.is_custom else
-                        {"type": "function", "function": t.function.model_dump(exclude_none=True)},  # type: ignore[union-attr]
-                        ensure_ascii=False) for t in tools]
+    lines = [json.dumps(_spec(t), ensure_ascii=False) for t in tools]
     custom = CUSTOM_CALL_FORMAT if any(t.is_custom for t in tools) else ""
     return TOOLS_PREAMBLE + "\n".join(lines) + TOOLS_CALL_FORMAT + custom
+
+
+def _spec(tool: ToolSpec) -> dict:
+    if tool.function is not None:
+        return {"type": "function", "function": tool.function.model_dump(exclude_none=True)}
+    return tool.model_dump(exclude_none=True)
 
 
 def render_messages(messages: Sequence[ChatMessage], tools: Sequence[ToolSpec],
